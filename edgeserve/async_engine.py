@@ -1,0 +1,109 @@
+"""The engine's step loop on a background thread, streaming per-request deltas to asyncio consumers.
+
+Every front end (server, chat, TUI) shares one AsyncEngine, so all their sessions are batched together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from edgeserve.errors import EdgeserveError
+from edgeserve.llm_engine import EngineStats, LLMEngine, RequestOutput
+from edgeserve.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stats = engine.stats()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="edgeserve-engine", daemon=True)
+        self._thread.start()
+
+    def stats(self) -> EngineStats:
+        """A snapshot taken by the engine thread after its latest step."""
+        return self._stats
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _deliver(self, out: RequestOutput | Exception, request_id: str) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                request_id, prompt, params = payload
+                try:
+                    self.engine.add_request(prompt, params, request_id)
+                except EdgeserveError as exc:
+                    self._deliver(exc, request_id)
+            elif kind == "abort":
+                final = self.engine.abort(payload)
+                if final is not None:
+                    self._deliver(final, payload)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._stats = self.engine.stats()
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a broken step must not kill the server: fail the running requests
+                for rid in list(self.engine.seqs):
+                    self.engine.abort(rid)
+                    self._deliver(EdgeserveError(f"engine step failed: {exc}"), rid)
+                outputs = []
+            for out in outputs:
+                self._deliver(out, out.request_id)
+            self._stats = self.engine.stats()
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield this request's outputs as they come; leaving early (or cancelling) aborts it."""
+        request_id = request_id or uuid.uuid4().hex
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._inbox.put(("add", (request_id, prompt, params or SamplingParams())))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                if isinstance(out, Exception):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()

@@ -1,0 +1,167 @@
+"""The NumPy backend: float32 weights and BLAS GEMMs on the CPU, paged attention in plain NumPy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edgeserve.batch import Batch
+from edgeserve.quant.affine import QuantizedTensor
+
+NEG_INF = np.float32(-1e30)
+
+
+def as_float32(w: Any) -> np.ndarray:
+    """A weight as a float32 array, dequantizing where it is stored quantized."""
+    if isinstance(w, QuantizedTensor):
+        return w.dequantize(np.float32)
+    return np.ascontiguousarray(w, dtype=np.float32)
+
+
+@dataclass
+class PrefillChunk:
+    rows: slice
+    blocks: np.ndarray
+    context_len: int
+    mask: np.ndarray  # additive causal mask [rows, context_len]
+
+
+@dataclass
+class NumpyMeta:
+    """Per-step arrays, computed once and shared by every layer."""
+
+    token_ids: np.ndarray
+    slot_mapping: np.ndarray
+    logits_indices: np.ndarray
+    cos: np.ndarray  # [T, 1, head_dim / 2]
+    sin: np.ndarray
+    decode_rows: np.ndarray  # rows that are a sequence's single decode token
+    decode_blocks: np.ndarray  # [D, max_blocks]
+    decode_mask: np.ndarray  # additive [D, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillChunk]
+
+
+class NumpyBackend:
+    name = "numpy"
+    kv_dtype = np.float32
+
+    def vector(self, w: Any) -> np.ndarray:
+        return as_float32(w)
+
+    def embedding(self, w: Any) -> np.ndarray:
+        return as_float32(w)
+
+    def linear(self, parts: list[Any]) -> np.ndarray:
+        """Fuse weights sharing an input (q/k/v, gate/up) into one [out, in] matrix: one GEMM each."""
+        return np.ascontiguousarray(np.concatenate([as_float32(p) for p in parts], axis=0))
+
+    def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
+        angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
+        return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+    def batch_meta(self, batch: Batch, rope: tuple[np.ndarray, np.ndarray]) -> NumpyMeta:
+        cos, sin = rope
+        bs = batch.block_size
+        qlens = batch.query_lens
+        starts = batch.query_start[:-1]
+        dec = np.flatnonzero(qlens == 1)
+        ctx = batch.context_lens[dec]
+        max_blocks = int(-(-ctx.max() // bs)) if len(dec) else 0
+        span = np.arange(max_blocks * bs)
+        decode_mask = np.where(span[None, :] < ctx[:, None], 0.0, NEG_INF).astype(np.float32)
+        prefills = []
+        for s in np.flatnonzero(qlens > 1):
+            n, c = int(qlens[s]), int(batch.context_lens[s])
+            first = c - n  # position of the chunk's first row
+            causal = np.arange(c)[None, :] > (first + np.arange(n))[:, None]
+            prefills.append(
+                PrefillChunk(
+                    rows=slice(int(starts[s]), int(starts[s]) + n),
+                    blocks=batch.block_tables[s, : -(-c // bs)],
+                    context_len=c,
+                    mask=np.where(causal, NEG_INF, 0.0).astype(np.float32),
+                )
+            )
+        return NumpyMeta(
+            token_ids=batch.token_ids,
+            slot_mapping=batch.slot_mapping,
+            logits_indices=batch.logits_indices,
+            cos=cos[batch.positions][:, None, :],
+            sin=sin[batch.positions][:, None, :],
+            decode_rows=starts[dec],
+            decode_blocks=batch.block_tables[dec, :max_blocks],
+            decode_mask=decode_mask[:, None, None, :],
+            prefills=prefills,
+        )
+
+    def embed(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        return table[ids]
+
+    def matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return x @ w.T
+
+    def lm_head(self, x: np.ndarray, table: np.ndarray) -> np.ndarray:
+        return x @ table.T
+
+    def take_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return x[rows]
+
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
+        return (x * inv) * w
+
+    def apply_rope(self, x: np.ndarray, meta: NumpyMeta) -> np.ndarray:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * meta.cos - x2 * meta.sin, x2 * meta.cos + x1 * meta.sin], axis=-1)
+
+    def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
+        half = gate_up.shape[-1] // 2
+        g, u = gate_up[:, :half], gate_up[:, half:]
+        return g / (1.0 + np.exp(-g)) * u
+
+    def allocate_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> np.ndarray:
+        return np.zeros((num_blocks, block_size, n_kv_heads, head_dim), dtype=self.kv_dtype)
+
+    def write_kv(self, cache: np.ndarray, values: np.ndarray, meta: NumpyMeta) -> np.ndarray:
+        cache.reshape(-1, *cache.shape[2:])[meta.slot_mapping] = values
+        return cache
+
+    def copy_blocks(self, cache: np.ndarray, pairs: list[tuple[int, int]]) -> np.ndarray:
+        for src, dst in pairs:
+            cache[dst] = cache[src]
+        return cache
+
+    def to_numpy(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: NumpyMeta) -> np.ndarray:
+        """Attention of each row over its sequence's K/V, read through the block tables."""
+        t, n_heads, hd = q.shape
+        n_kv = k_cache.shape[2]
+        group = n_heads // n_kv
+        scale = np.float32(1.0 / np.sqrt(hd))
+        out = np.empty_like(q)
+        if len(meta.decode_rows):
+            d = len(meta.decode_rows)
+            k = k_cache[meta.decode_blocks].reshape(d, -1, n_kv, hd).transpose(0, 2, 3, 1)  # [D, kv, hd, L]
+            v = v_cache[meta.decode_blocks].reshape(d, -1, n_kv, hd).transpose(0, 2, 1, 3)  # [D, kv, L, hd]
+            qd = q[meta.decode_rows].reshape(d, n_kv, group, hd) * scale
+            out[meta.decode_rows] = _softmax_av(qd @ k + meta.decode_mask, v).reshape(d, n_heads, hd)
+        for chunk in meta.prefills:
+            c = chunk.context_len
+            k = k_cache[chunk.blocks].reshape(-1, n_kv, hd)[:c].transpose(1, 2, 0)  # [kv, hd, c]
+            v = v_cache[chunk.blocks].reshape(-1, n_kv, hd)[:c].transpose(1, 0, 2)  # [kv, c, hd]
+            n = chunk.rows.stop - chunk.rows.start
+            qc = (q[chunk.rows] * scale).reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3)  # [kv, g, n, hd]
+            scores = qc @ k[:, None] + chunk.mask  # [kv, g, n, c]
+            o = _softmax_av(scores, v[:, None])  # [kv, g, n, hd]
+            out[chunk.rows] = o.transpose(2, 0, 1, 3).reshape(n, n_heads, hd)
+        return out
+
+
+def _softmax_av(scores: np.ndarray, v: np.ndarray) -> np.ndarray:
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (scores / scores.sum(axis=-1, keepdims=True)) @ v

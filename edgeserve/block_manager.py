@@ -1,0 +1,145 @@
+"""Who holds which KV block: free list, reference counts, block tables and the prefix cache.
+
+A full block's hash covers its tokens and its parent's hash, so equal hashes mean equal prefixes.
+Blocks nobody references stay in the cache (and in the free list, oldest first) until evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from edgeserve.sequence import Sequence
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next step
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (truly free or cached and unreferenced)."""
+        return len(self.free)
+
+    @property
+    def num_cached(self) -> int:
+        return sum(1 for b in self.free if self.block_hash[b] is not None)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def _take(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        h = self.block_hash[block]
+        if h is not None:
+            del self.hash_to_block[h]
+            self.block_hash[block] = None
+        self.ref_count[block] = 1
+        return block
+
+    def _ref(self, block: int) -> None:
+        if self.ref_count[block] == 0:
+            del self.free[block]
+        self.ref_count[block] += 1
+
+    def _chain(self, parent: int | None, tokens: list[int]) -> int:
+        return hash((parent, tuple(tokens)))
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest prefix of seq (never its last token, which must be computed)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        parent = None
+        for i in range((seq.num_tokens - 1) // bs):
+            parent = self._chain(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            block = self.hash_to_block.get(parent)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
+        reused_free = sum(1 for b in hits if self.ref_count[b] == 0)
+        fresh = blocks_for(len(hits) * self.block_size + num_new_tokens, self.block_size) - len(hits)
+        return fresh + reused_free <= self.num_free
+
+    def admit(self, seq: Sequence, hits: list[int]) -> None:
+        """Start seq on the cached prefix blocks it matched."""
+        for b in hits:
+            self._ref(b)
+        seq.block_table = list(hits)
+        seq.block_hashes = [self.block_hash[b] for b in hits]  # type: ignore[misc]
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        self.query_tokens += seq.num_tokens
+        self.hit_tokens += seq.num_cached_tokens
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for seq's next num_new_tokens; False (and nothing changed) when the pool is short."""
+        bs = self.block_size
+        table = seq.block_table
+        need = blocks_for(seq.num_computed_tokens + num_new_tokens, bs) - len(table)
+        partial = seq.num_computed_tokens % bs != 0
+        cow = partial and self.ref_count[table[-1]] > 1  # a shared, partly filled block about to be written
+        if max(need, 0) + cow > self.num_free:
+            return False
+        if cow:
+            src = table[-1]
+            table[-1] = self._take()
+            self.ref_count[src] -= 1
+            self.pending_copies.append((src, table[-1]))
+        for _ in range(need):
+            table.append(self._take())
+        return True
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Put seq's newly completed blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = self._chain(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            seq.block_hashes.append(h)
+            block = seq.block_table[i]
+            if h not in self.hash_to_block and self.block_hash[block] is None:
+                self.hash_to_block[h] = block
+                self.block_hash[block] = h
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let child share every block of parent (copy-on-write when either writes a shared block)."""
+        for b in parent.block_table:
+            self._ref(b)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release seq's blocks; the last ones go to the front of the eviction order."""
+        for b in reversed(seq.block_table):
+            if self.ref_count[b] <= 0:
+                raise RuntimeError(f"double free of KV block {b}")
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free[b] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def owner_map(self) -> list[int]:
+        """Reference count of every block (0 = free or cached), for displays of the pool."""
+        return list(self.ref_count)

@@ -1,0 +1,69 @@
+"""Turning each sampling row's logits into a token: greedy rows at once, the rest row by row."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgeserve.sequence import Sequence
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def apply_penalties(logits: np.ndarray, seq: Sequence) -> np.ndarray:
+    """Repetition (over prompt and output, multiplicative), frequency and presence (over output)."""
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        seen = np.unique(np.asarray(seq.token_ids))
+        vals = logits[seen]
+        logits[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens:
+        ids, counts = np.unique(np.asarray(seq.output_ids), return_counts=True)
+        logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
+    return logits
+
+
+def sample_row(logits: np.ndarray, seq: Sequence) -> int:
+    """One token from processed logits: temperature, top-k, top-p, min-p, then a seeded draw."""
+    p = seq.params
+    logits = apply_penalties(logits.astype(np.float64), seq)
+    if p.greedy:
+        return int(np.argmax(logits))
+    logits = logits / p.temperature
+    if 0 < p.top_k < logits.size:
+        kth = np.partition(logits, -p.top_k)[-p.top_k]
+        logits = np.where(logits < kth, -np.inf, logits)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    if p.min_p > 0.0:
+        probs = np.where(probs < p.min_p * probs.max(), 0.0, probs)
+    if p.top_p < 1.0:
+        order = np.argsort(-probs)
+        cum = np.cumsum(probs[order])
+        cut = order[np.searchsorted(cum, p.top_p * cum[-1]) + 1 :]  # keep the smallest set reaching top_p
+        probs[cut] = 0.0
+    probs /= probs.sum()
+    return int(seq.rng.choice(probs.size, p=probs))
+
+
+def needs_processing(seq: Sequence) -> bool:
+    p = seq.params
+    return not p.greedy or p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
+
+def sample(logits: np.ndarray, seqs: list[Sequence]) -> list[int]:
+    """Tokens for each row of logits [S, vocab] (row i belongs to seqs[i])."""
+    tokens = np.argmax(logits, axis=-1).tolist()
+    for i, seq in enumerate(seqs):
+        if needs_processing(seq):
+            tokens[i] = sample_row(logits[i], seq)
+    return tokens
+
+
+def token_logprobs(logits_row: np.ndarray, token: int, top: int) -> dict:
+    """The chosen token's log-probability and the `top` most likely alternatives."""
+    lp = log_softmax(logits_row.astype(np.float64))
+    top_ids = np.argsort(-lp)[:top] if top else np.array([], dtype=np.int64)
+    return {"token": token, "logprob": float(lp[token]), "top": [(int(t), float(lp[t])) for t in top_ids]}

@@ -1,0 +1,56 @@
+"""What a request asks of generation: length, sampling, penalties, stops, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from edgeserve.errors import EdgeserveError
+
+
+class InvalidParamsError(EdgeserveError):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (0.0 <= self.temperature <= 2.0, "temperature", "must be between 0 and 2"),
+            (self.top_k >= 0, "top_k", "must be 0 (off) or positive"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "must be positive"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be between -2 and 2"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be between -2 and 2"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidParamsError(f"{param} {message} (got {getattr(self, param)!r})", param)

@@ -1,0 +1,104 @@
+"""Iteration-level scheduling: which sequences run in the next step, and how many tokens each.
+
+Running decodes go first, then prefill chunks under a per-step token budget, so a long prompt never
+stalls running streams. New requests are admitted only when blocks are free; when the pool runs
+out, the most recently arrived running sequence is preempted (its blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from edgeserve.block_manager import BlockManager
+from edgeserve.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 static_batching: bool = False):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.static_batching = static_batching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free_seq(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        preempted = False
+        # decodes before prefill chunks; among each, first come first served
+        for seq in sorted(self.running, key=lambda s: s.is_prefilling):
+            if seq not in self.running or budget == 0:
+                continue
+            if seq.is_finished:
+                continue  # finished inside its static batch, held until the batch ends
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate_slots(seq, n):
+                victim = max(self.running, key=lambda s: s.arrival_time)
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                out.append(ScheduledSeq(seq, n))
+                budget -= n
+        if preempted or (self.static_batching and self.running):
+            return out
+        # a static batch is admitted whole, then its prefills share the budget over the next steps
+        while self.waiting and (budget > 0 or self.static_batching) and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.bm.match_prefix(seq) if not seq.block_table else []
+            n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
+            if not self.bm.can_admit(seq, hits, n):
+                break
+            self.waiting.popleft()
+            self.bm.admit(seq, hits)
+            self.bm.allocate_slots(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if n:
+                out.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished or aborted sequence's blocks at once (static batches: at batch end)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if self.static_batching and seq in self.running:
+            if any(not s.is_finished for s in self.running if s is not seq):
+                return
+            for s in list(self.running):
+                self.running.remove(s)
+                self.bm.free_seq(s)
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        self.bm.free_seq(seq)

@@ -1,0 +1,65 @@
+"""One request's tokens, its place in the KV pool and its progress through the engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from edgeserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_ids: list[int] = field(init=False)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the pool
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full, computed blocks
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    logprobs: list[dict] = field(default_factory=list)
+    output_text: str = ""
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+        self.rng = np.random.default_rng(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_tokens - self.num_computed_tokens > 1

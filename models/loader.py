@@ -1,0 +1,244 @@
+"""Loading a model from a catalog name, a GGUF file, a Hugging Face folder, an MLX folder or a hub id.
+
+Every format ends as the same thing: ModelArgs, a dict of weights under Hugging Face names
+(float arrays or QuantizedTensor), and a Tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgeserve.errors import ModelLoadError, ModelNotFoundError
+from edgeserve.models.catalog import CATALOG, pull
+from edgeserve.models.gguf_file import GGUFFile, read_gguf
+from edgeserve.models.llama import SUPPORTED_MODEL_TYPES, ModelArgs
+from edgeserve.quant.affine import QuantizedTensor
+from edgeserve.quant.gguf_blocks import gguf_tensor_to_array
+from edgeserve.tokenizer import Tokenizer
+
+Weights = dict[str, "np.ndarray | QuantizedTensor"]
+
+GGUF_ARCHITECTURES = {"llama", "qwen2"}
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass
+class LoadedModel:
+    args: ModelArgs
+    weights: Weights
+    tokenizer: Tokenizer
+    source: Path
+    format: str  # "gguf", "safetensors" or "mlx"
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(int(np.prod(w.shape)) for w in self.weights.values())
+
+    def quantization(self) -> str:
+        """A short summary such as 'Q4_1 (4-bit, group 32) + Q8_0 embeddings' or 'float16'."""
+        kinds: dict[str, int] = {}
+        for w in self.weights.values():
+            key = f"{w.bits}-bit g{w.group_size}" if isinstance(w, QuantizedTensor) else str(w.dtype)
+            kinds[key] = kinds.get(key, 0) + int(np.prod(w.shape))
+        total = sum(kinds.values())
+        return ", ".join(f"{k} {100 * n / total:.0f}%" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
+def resolve_model(name: str) -> Path:
+    """A catalog name (pulled if missing), a local file/folder, or a hub id (downloaded)."""
+    if name in CATALOG:
+        return pull(name)
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "tokenizer.model"]))
+        except Exception as exc:
+            raise ModelNotFoundError(f"could not fetch {name!r} from the Hugging Face hub: {exc}") from exc
+    raise ModelNotFoundError(
+        f"model {name!r} not found: not a catalog name ({', '.join(sorted(CATALOG))}), local path or hub id"
+    )
+
+
+def load_model(name: str) -> LoadedModel:
+    path = resolve_model(name)
+    if path.is_dir():
+        return load_folder(path)
+    return load_gguf(path)
+
+
+def _rope_rows_to_half(n_rows: int, n_heads: int) -> np.ndarray:
+    """Row order that turns GGUF's interleaved-RoPE q/k rows back into rotate-half (Hugging Face) rows."""
+    head_dim = n_rows // n_heads
+    return np.arange(n_rows).reshape(n_heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
+
+
+def _permute_rows(w: Any, order: np.ndarray) -> Any:
+    return w.take_rows(order) if isinstance(w, QuantizedTensor) else w[order]
+
+
+def gguf_args(g: GGUFFile) -> ModelArgs:
+    md = g.metadata
+    arch = g.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{g.path}: unsupported architecture {arch!r} (supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = md.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{g.path}: missing metadata {arch}.{key}")
+        return value
+
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", [])) or g.tensors["token_embd.weight"].shape[0]
+    rope_scaling = None
+    if "rope_freqs.weight" in g.tensors:  # Llama 3.1+: per-frequency divisors stored as a tensor
+        rope_scaling = {"rope_type": "factors", "factors": gguf_tensor_to_array(g.tensors["rope_freqs.weight"]).tolist()}
+    elif md.get(f"{arch}.rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(md[f"{arch}.rope.scaling.factor"])}
+    return ModelArgs(
+        hidden_size=hidden,
+        num_hidden_layers=int(get("block_count")),
+        intermediate_size=int(get("feed_forward_length")),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(get("attention.head_count_kv", n_heads)),
+        vocab_size=int(vocab),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(get("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in g.tensors,
+        attention_bias="blk.0.attn_q.bias" in g.tensors,
+        head_dim=int(md.get(f"{arch}.attention.key_length", hidden // n_heads)),
+        model_type=arch,
+    )
+
+
+def gguf_weights(g: GGUFFile, args: ModelArgs) -> Weights:
+    weights: Weights = {}
+    for name, t in g.tensors.items():
+        if name == "rope_freqs.weight":
+            continue
+        if name in _GGUF_GLOBAL_NAMES:
+            hf = _GGUF_GLOBAL_NAMES[name]
+        else:
+            parts = name.split(".")  # blk.N.kind.weight|bias
+            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+                raise ModelLoadError(f"{g.path}: unexpected tensor {name!r}")
+            hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+        w = gguf_tensor_to_array(t)
+        if g.architecture == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+            heads = args.num_attention_heads if ".q_proj." in hf else args.num_key_value_heads
+            w = _permute_rows(w, _rope_rows_to_half(w.shape[0], heads))
+        weights[hf] = w
+    return weights
+
+
+def load_gguf(path: Path) -> LoadedModel:
+    g = read_gguf(path)
+    args = gguf_args(g)
+    weights = gguf_weights(g, args)
+    _check_complete(weights, args, path)
+    return LoadedModel(args, weights, Tokenizer.from_gguf(g.metadata), path, "gguf")
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of one file as NumPy arrays (memory-mapped).
+
+    safetensors' NumPy loader has no bfloat16, so the header is read here and bfloat16 is widened.
+    """
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        (header_len,) = struct.unpack("<Q", bytes(raw[:8]))
+        header = json.loads(bytes(raw[8 : 8 + header_len]))
+    except (struct.error, ValueError) as exc:
+        raise ModelLoadError(f"{path}: not a safetensors file ({exc})") from exc
+    dtypes = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uint32, "I32": np.int32,
+              "U8": np.uint8, "I8": np.int8, "F64": np.float64, "I64": np.int64}
+    out = {}
+    base = 8 + header_len
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in dtypes:
+            raise ModelLoadError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        if base + end > len(raw):
+            raise ModelLoadError(f"{path}: truncated (tensor {name} runs past the end of the file)")
+        arr = raw[base + start : base + end].view(dtypes[info["dtype"]]).reshape(info["shape"])
+        if info["dtype"] == "BF16":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        out[name] = arr
+    return out
+
+
+def load_folder(path: Path) -> LoadedModel:
+    """A Hugging Face safetensors folder or an MLX-format (possibly quantized) folder."""
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{path}: no config.json (expected a Hugging Face or MLX model folder)")
+    config = json.loads(config_path.read_text())
+    model_type = config.get("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(f"{path}: unsupported architecture {model_type!r} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights")
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        tensors.update(_read_safetensors(f))
+    args = ModelArgs.from_config(config)
+    quant = config.get("quantization") or config.get("quantization_config")
+    weights: Weights = {}
+    for name, arr in tensors.items():
+        if name.endswith((".scales", ".biases")) or "rotary_emb" in name:
+            continue
+        stem = name[: -len(".weight")]
+        if name.endswith(".weight") and stem + ".scales" in tensors:
+            spec = quant.get(stem, quant) if isinstance(quant, dict) else {}
+            if not spec or "bits" not in spec:
+                raise ModelLoadError(f"{path}: {name} is quantized but config.json has no quantization entry")
+            weights[name] = QuantizedTensor(arr, tensors[stem + ".scales"], tensors[stem + ".biases"],
+                                            int(spec["bits"]), int(spec["group_size"]))
+        else:
+            weights[name] = arr
+    if args.tie_word_embeddings or "lm_head.weight" not in weights:
+        args.tie_word_embeddings = True
+        weights.pop("lm_head.weight", None)
+    _check_complete(weights, args, path)
+    return LoadedModel(args, weights, Tokenizer.from_dir(path), path, "mlx" if quant else "safetensors")
+
+
+def _check_complete(weights: Weights, args: ModelArgs, path: Path) -> None:
+    needed = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(args.num_hidden_layers):
+        needed += [f"model.layers.{i}.{n}.weight" for n in _GGUF_LAYER_NAMES.values()]
+    missing = [n for n in needed if n not in weights]
+    if missing:
+        raise ModelLoadError(f"{path}: missing weights {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
