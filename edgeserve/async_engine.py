@@ -56,6 +56,13 @@ class AsyncEngine:
                     self.engine.add_request(prompt, params, request_id)
                 except EdgeserveError as exc:
                     self._deliver(exc, request_id)
+            elif kind == "call":  # run fn on the engine thread, between steps
+                fn, loop, future = payload
+                try:
+                    result = fn(self.engine)
+                    loop.call_soon_threadsafe(future.set_result, result)
+                except Exception as exc:
+                    loop.call_soon_threadsafe(future.set_exception, exc)
             elif kind == "abort":
                 final = self.engine.abort(payload)
                 if final is not None:
@@ -103,6 +110,17 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
             self._streams.pop(request_id, None)
+
+    async def call(self, fn: Any) -> Any:
+        """Run fn(engine) on the engine thread between steps (safe access to its state)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(("call", (fn, loop, future)))
+        self._wake.set()
+        return await future
+
+    async def kv_map(self) -> list[tuple[str, list[str]]]:
+        return await self.call(lambda engine: engine.kv_map())
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

@@ -12,6 +12,7 @@ import numpy as np
 
 from edgeserve.backends import get_backend
 from edgeserve.block_manager import BlockManager, blocks_for
+from edgeserve.chat_template import ChatTemplate
 from edgeserve.detokenizer import IncrementalDetokenizer
 from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.kv_pool import size_pool
@@ -114,12 +115,18 @@ class LLMEngine:
         self._ids = itertools.count()
         self._stats = EngineStats()
         self._recent: list[tuple[float, int]] = []  # (time, output tokens) per step
+        self.chat_template = ChatTemplate.for_tokenizer(self.tokenizer)
 
     @classmethod
     def from_name(cls, name: str, **kwargs: Any) -> "LLMEngine":
         return cls(load_model(name), **kwargs)
 
     # requests -----------------------------------------------------------------
+
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render messages with the model's chat template and tokenize (BOS comes from the template)."""
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_bos=False)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
@@ -274,6 +281,21 @@ class LLMEngine:
             return self.runner.run([ScheduledSeq(seq, len(token_ids))], all_rows=True)
         finally:
             self.block_manager.free_seq(seq)
+
+    def kv_map(self) -> list[tuple[str, list[str]]]:
+        """Each pool block's state ('free', 'cached', 'used' or 'shared') and the requests holding it."""
+        bm = self.block_manager
+        owners: list[list[str]] = [[] for _ in range(bm.num_blocks)]
+        for seq in self.scheduler.running:
+            for b in seq.block_table:
+                owners[b].append(seq.request_id)
+        states = []
+        for b, holders in enumerate(owners):
+            if bm.ref_count[b] == 0:
+                states.append(("cached" if bm.block_hash[b] is not None else "free", holders))
+            else:
+                states.append(("shared" if bm.ref_count[b] > 1 else "used", holders))
+        return states
 
     # stats --------------------------------------------------------------------
 

@@ -1,0 +1,40 @@
+"""The `edgeserve` command: one group, each command in its own module."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from edgeserve.errors import EdgeserveError
+
+
+class Group(click.Group):
+    """Turns user-facing errors into one line on stderr and a non-zero exit, never a traceback."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except EdgeserveError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=Group)
+@click.version_option(package_name="edgeserve")
+def cli() -> None:
+    """edgeserve: a fast local LLM runtime (MLX or NumPy), with chat, TUI and an OpenAI-compatible server."""
+
+
+def _register() -> None:
+    from edgeserve.cli.model_cmds import info, models, pull
+    from edgeserve.cli.run_cmd import run
+
+    for command in (run, pull, models, info):
+        cli.add_command(command)
+
+
+_register()

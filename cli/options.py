@@ -1,0 +1,34 @@
+"""Options shared by the commands that load a model, and building the engine from them."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from edgeserve.backends import BACKENDS
+from edgeserve.llm_engine import DEFAULT_KV_MEMORY, LLMEngine
+from edgeserve.models.catalog import DEFAULT_MODEL
+from edgeserve.models.loader import load_model
+
+
+def model_options(f: Callable) -> Callable:
+    """--model, --backend, --kv-memory."""
+    f = click.option("--kv-memory", default=DEFAULT_KV_MEMORY, show_default=True,
+                     help="KV pool size: 2GiB, 512MiB, or a fraction of free memory (0.25, 25%).")(f)
+    f = click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+                     help="Array backend: MLX on a GPU, NumPy on the CPU.")(f)
+    f = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
+                     help="Catalog name, local GGUF file or model folder, or Hugging Face hub id.")(f)
+    return f
+
+
+def build_engine(model: str, backend: str, kv_memory: str, quiet: bool = False, **kwargs: Any) -> LLMEngine:
+    """Load the model and start an engine, printing what was allocated to stderr."""
+    loaded = load_model(model)
+    engine = LLMEngine(loaded, backend=backend, kv_memory=kv_memory, **kwargs)
+    if not quiet:
+        print(f"{loaded.source.name} on {engine.backend.name}; {engine.pool_size.describe()}", file=sys.stderr)
+    return engine
