@@ -1,0 +1,135 @@
+"""Rendering a conversation into a prompt with the model's Jinja chat template.
+
+The environment follows Hugging Face transformers' `apply_chat_template`, because that is the
+environment model authors write and test their templates against.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from edgeserve.errors import EdgeserveError
+from edgeserve.tokenizer import Tokenizer
+
+# For models that ship no template: ChatML, which is what transformers used to fall back to.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ChatTemplateError(EdgeserveError):
+    """A chat template failed to compile or render, or the messages given to it are malformed."""
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: marks assistant text for training masks in
+    transformers; rendering only needs the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(
+            lineno
+        )
+
+    def _render_body(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters and sorts keys; templates expect plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _environment() -> jinja2.Environment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class ChatTemplate:
+    """A compiled chat template; `source` None means the ChatML fallback."""
+
+    def __init__(
+        self, source: str | None, bos_token: str | None = None, eos_token: str | None = None
+    ) -> None:
+        self.source = CHATML_TEMPLATE if source is None else source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        try:
+            self._template = _environment().from_string(self.source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ChatTemplateError(
+                f"chat template does not compile: line {exc.lineno}: {exc.message}"
+            ) from exc
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer) -> ChatTemplate:
+        """The model's own template (or ChatML when it ships none) with its BOS/EOS texts."""
+        return cls(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """The prompt for `messages`; `extra` reaches the template as variables (e.g. tools)."""
+        _check_messages(messages)
+        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra}
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables
+            )
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # the template is the model author's code: any failure is theirs
+            raise ChatTemplateError(
+                f"chat template failed to render: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list):
+        raise ChatTemplateError(f"messages must be a list, got {type(messages).__name__}")
+    if not messages:
+        raise ChatTemplateError("messages must not be empty")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ChatTemplateError(
+                f"messages[{index}] must be an object, got {type(message).__name__}"
+            )
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ChatTemplateError(f"messages[{index}] needs a 'role' string")
+        if not isinstance(message.get("content"), str):
+            raise ChatTemplateError(f"messages[{index}] ({role}) needs a 'content' string")
