@@ -18,8 +18,8 @@ def model_options(f: Callable) -> Callable:
     """--model, --backend, --kv-memory."""
     f = click.option("--kv-memory", default=DEFAULT_KV_MEMORY, show_default=True,
                      help="KV pool size: 2GiB, 512MiB, or a fraction of free memory (0.25, 25%).")(f)
-    f = click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
-                     help="Array backend: MLX on a GPU, NumPy on the CPU.")(f)
+    f = click.option("--backend", default="auto", show_default=True,
+                     help=f"Array backend ({', '.join(BACKENDS)}): auto takes MLX on a GPU, NumPy on the CPU.")(f)
     f = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
                      help="Catalog name, local GGUF file or model folder, or Hugging Face hub id.")(f)
     return f

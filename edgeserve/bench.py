@@ -5,10 +5,14 @@ The same seeded workloads drive the in-process engine and any OpenAI-compatible 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from tqdm import tqdm
 
+from edgeserve.llm_engine import LLMEngine
+from edgeserve.sampling_params import SamplingParams
 from edgeserve.tokenizer import Tokenizer
 
 
@@ -91,10 +95,79 @@ def uniform_workload(tokenizer: Tokenizer, n: int, prompt_len: int, output_len: 
     return [BenchRequest(p, tokenizer.decode(p), output_len) for p in prompts]
 
 
-def shared_prefix_workload(tokenizer: Tokenizer, n: int = 16, prefix_len: int = 1500, suffix_len: int = 24,
+SUFFIX_LEN = 24
+
+
+def shared_prefix_workload(tokenizer: Tokenizer, n: int = 16, prefix_len: int = 1500, suffix_len: int = SUFFIX_LEN,
                            output_len: int = 16, seed: int = 0) -> list[BenchRequest]:
     """Workload (b): n requests whose prompts share one long system prompt."""
     rng = np.random.default_rng(seed)
     prefix = random_prompts(tokenizer, [prefix_len], rng)[0]
     suffixes = random_prompts(tokenizer, [suffix_len] * n, rng)
     return [BenchRequest(prefix + s, tokenizer.decode(prefix + s), output_len) for s in suffixes]
+
+
+def run_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, progress: bool = True) -> BenchResult:
+    """Submit every request at once and step the engine until all finish, timing each one."""
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
+    start = time.perf_counter()
+    ids = [engine.add_request(r.prompt_ids, p) for r, p in zip(requests, params)]
+    first: dict[str, float] = {}
+    done: dict[str, RequestTiming] = {}
+    peak_slots, stored_at_peak, peak_running = 0, 0, 0
+    decode_time, decode_tokens = 0.0, 0
+    bs = engine.pool_size.block_size
+    with tqdm(total=len(ids), desc=name, unit="req", disable=not progress, leave=False) as bar:
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            now = time.perf_counter()
+            running = engine.scheduler.running
+            if running and all(s.num_computed_tokens + 1 >= s.num_tokens for s in running):
+                decode_time += now - t0
+                decode_tokens += len(outputs)
+            slots = engine.block_manager.num_used * bs
+            if slots > peak_slots:
+                peak_slots, peak_running = slots, len(running)
+                stored_at_peak = sum(s.num_computed_tokens for s in running)
+            for out in outputs:
+                first.setdefault(out.request_id, now)
+                if out.finished:
+                    done[out.request_id] = RequestTiming(out.num_prompt_tokens, out.num_output_tokens,
+                                                         first[out.request_id] - start, now - start)
+                    bar.update(1)
+    wall = time.perf_counter() - start
+    stats = engine.stats()
+    contiguous = peak_running * engine.max_model_len
+    extra = {
+        "decode_tokens_per_s": round(decode_tokens / decode_time, 2) if decode_time else 0.0,
+        "peak_kv_slots_allocated": peak_slots,
+        "peak_kv_tokens_stored": stored_at_peak,
+        "peak_kv_utilization": round(stored_at_peak / peak_slots, 4) if peak_slots else 0.0,
+        "contiguous_cache_slots": contiguous,
+        "contiguous_cache_utilization": round(stored_at_peak / contiguous, 4) if contiguous else 0.0,
+        "preemptions": stats.preemptions,
+        "prefix_cache_hit_tokens": stats.prefix_hit_tokens,
+    }
+    return BenchResult(name, [done[i] for i in ids], wall, extra)
+
+
+def run_shared_prefix(engine: LLMEngine, requests: list[BenchRequest], progress: bool = True) -> dict:
+    """Workload (b): the first request runs cold, the rest arrive one by one and hit the prefix cache."""
+    timings = []
+    for r in tqdm(requests, desc="shared prefix", unit="req", disable=not progress, leave=False):
+        result = run_engine(engine, [r], "one", progress=False)
+        timings.append(result.timings[0])
+    cold, hits = timings[0].ttft, np.array([t.ttft for t in timings[1:]])
+    stats = engine.stats()
+    return {
+        "name": "shared_prefix",
+        "requests": len(requests),
+        "prefix_tokens": len(requests[0].prompt_ids) - SUFFIX_LEN,
+        "cold_ttft_s": round(cold, 4),
+        "hit_ttft_p50_s": round(float(np.percentile(hits, 50)), 4),
+        "hit_ttft_p99_s": round(float(np.percentile(hits, 99)), 4),
+        "cold_over_hit_ttft": round(cold / float(np.percentile(hits, 50)), 1),
+        "prefix_cache_hit_tokens": stats.prefix_hit_tokens,
+        "prefix_hit_rate": round(stats.prefix_hit_rate, 4),
+    }

@@ -1,0 +1,3 @@
+from edgeserve.cli.main import cli
+
+cli()

@@ -1,0 +1,107 @@
+"""`edgeserve bench`: seeded workloads against the in-process engine or any OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from edgeserve import bench
+from edgeserve.cli.options import model_options
+from edgeserve.llm_engine import LLMEngine
+from edgeserve.models.loader import load_model
+
+WORKLOADS = ("single", "mixed", "sweep", "prefix", "all")
+SWEEP = (1, 4, 8, 16, 32, 64)
+
+
+def _print_table(title: str, runs: list[dict]) -> None:
+    """One column per run, one row per figure."""
+    table = Table(title=title)
+    table.add_column("")
+    for _ in runs:
+        table.add_column(justify="right")
+    for key in dict.fromkeys(k for run in runs for k in run):
+        table.add_row(key, *(str(run.get(key, "")) for run in runs))
+    Console(stderr=True).print(table)
+
+
+@click.command("bench")
+@model_options
+@click.option("--workload", "-w", type=click.Choice(WORKLOADS), default="all", show_default=True,
+              help="single: one stream (prefill, decode); mixed: 64 varied requests, continuous vs static; "
+                   "sweep: decode at 1-64 streams; prefix: 16 requests sharing a 1,500-token system prompt.")
+@click.option("--max-batch", default=16, show_default=True, help="Max running sequences (both batching modes).")
+@click.option("--requests", "num_requests", default=64, show_default=True, help="Requests in the mixed workload.")
+@click.option("--max-output", default=512, show_default=True, help="Longest output in the mixed workload.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--url", default=None, help="Benchmark this OpenAI-compatible server instead of the in-process engine.")
+@click.option("--concurrency", default=16, show_default=True, help="Concurrent clients with --url.")
+@click.option("--api-key", default=None, help="API key for --url.")
+@click.option("--served-model", default=None, help="Model name to send with --url (default: the server's first).")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON on stdout.")
+def bench_cmd(model: str, backend: str, kv_memory: str, workload: str, max_batch: int, num_requests: int,
+              max_output: int, seed: int, url: str | None, concurrency: int, api_key: str | None,
+              served_model: str | None, as_json: bool) -> None:
+    """Measure throughput, TTFT, time per output token, KV use and prefix-cache hits."""
+    loaded = load_model(model)
+    tok = loaded.tokenizer
+    results: dict[str, object] = {"model": loaded.source.name}
+    if url:
+        from edgeserve.bench_http import run_http_bench
+
+        requests = bench.mixed_workload(tok, num_requests, seed, max_prompt=256, max_output=min(max_output, 128))
+        r = asyncio.run(run_http_bench(url, requests, concurrency, served_model, api_key=api_key))
+        results["http"] = r.summary()
+        _emit(results, as_json)
+        return
+
+    def engine(**kw: object) -> LLMEngine:
+        return LLMEngine(loaded, backend=backend, kv_memory=kv_memory, max_num_seqs=max_batch, **kw)
+
+    results["backend"] = engine().backend.name
+    print(f"{loaded.source.name} on {results['backend']}", file=sys.stderr)
+    if workload in ("single", "all"):
+        req = bench.uniform_workload(tok, 1, 512, 128, seed)
+        r = bench.run_engine(engine(), req, "single stream").summary()
+        r["prefill_tokens_per_s"] = round(512 / r["ttft_p50_s"], 1)
+        results["single"] = r
+    if workload in ("mixed", "all"):
+        requests = bench.mixed_workload(tok, num_requests, seed, max_output=max_output)
+        cont = bench.run_engine(engine(), requests, "continuous").summary()
+        static = bench.run_engine(engine(static_batching=True), requests, "static").summary()
+        results["mixed"] = {"continuous": cont, "static": static,
+                            "continuous_over_static": round(cont["output_tokens_per_s"] / static["output_tokens_per_s"], 2)}
+    if workload in ("sweep", "all"):
+        rows = []
+        for n in SWEEP:
+            requests = bench.uniform_workload(tok, n, 128, 128, seed)
+            e = LLMEngine(loaded, backend=backend, kv_memory=kv_memory, max_num_seqs=max(n, max_batch),
+                          max_num_batched_tokens=max(512, n))
+            r = bench.run_engine(e, requests, f"{n} streams").summary()
+            rows.append({"streams": n, "decode_tokens_per_s": r["decode_tokens_per_s"],
+                         "output_tokens_per_s": r["output_tokens_per_s"], "tpot_p50_s": r["tpot_p50_s"]})
+        results["sweep"] = rows
+    if workload in ("prefix", "all"):
+        requests = bench.shared_prefix_workload(tok, 16, 1500, seed=seed)
+        results["prefix"] = bench.run_shared_prefix(engine(), requests)
+    _emit(results, as_json)
+
+
+def _emit(results: dict, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(results, indent=1))
+        return
+    for key, value in results.items():
+        if key == "mixed":
+            _print_table("mixed workload: continuous vs static batching",
+                         [value["continuous"], value["static"]])
+            click.echo(f"continuous / static throughput: {value['continuous_over_static']}x", err=True)
+        elif key == "sweep":
+            _print_table("decode throughput by concurrent streams", value)
+        elif isinstance(value, dict):
+            _print_table(key, [value])

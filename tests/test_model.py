@@ -1,0 +1,158 @@
+"""The core runtime on the real model: GGUF reading, NumPy forward vs transformers, loaders, bad input."""
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from edgeserve.llm_engine import LLMEngine
+from edgeserve.models.gguf_file import read_gguf
+from edgeserve.models.loader import load_folder
+from edgeserve.quant.affine import QuantizedTensor
+from edgeserve.sampling_params import SamplingParams
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REFERENCE = json.loads((FIXTURES / "smollm2_transformers_reference.json").read_text())
+
+
+def edgeserve_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgeserve.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def engine(loaded_model):
+    return LLMEngine(loaded_model, backend="numpy", kv_memory="128MiB")
+
+
+def test_gguf_reader_matches_gguf_package(model_path):
+    ours = read_gguf(model_path)
+    theirs = gguf.GGUFReader(model_path)
+    assert ours.metadata == {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert len(ours.tensors) == len(theirs.tensors) == 272
+    for t in theirs.tensors[:40]:
+        mine = ours.tensors[t.name]
+        assert mine.qtype == t.tensor_type and mine.data.dtype == t.data.dtype
+        assert np.array_equal(mine.data, t.data)
+
+
+@pytest.mark.parametrize("case", range(len(REFERENCE["cases"])))
+def test_numpy_forward_matches_transformers(engine, case):
+    ref = REFERENCE["cases"][case]
+    logits = engine.prompt_logits(ref["prompt_ids"])
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    near_tie = top2[:, 1] - top2[:, 0] < 0.05
+    agree = logits.argmax(-1) == np.asarray(ref["prompt_argmax_per_position"])
+    assert np.all(agree | near_tie)
+    for token, value in ref["last_logits_top10"]:
+        assert abs(logits[-1, token] - value) < 0.1
+
+
+def test_greedy_continuations_match_transformers(engine):
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    ids = {engine.add_request(c["prompt_ids"], params): i for i, c in enumerate(REFERENCE["cases"])}
+    got = {i: [] for i in ids.values()}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[ids[out.request_id]] += out.token_ids
+    for i, case in enumerate(REFERENCE["cases"]):
+        tokens = [t for t in got[i] if t not in engine.tokenizer.eos_token_ids]  # the reference drops the stop id
+        assert tokens == case["greedy_ids"]
+
+
+def _write_folder(loaded_model, out: Path, quantized: bool) -> None:
+    """A Hugging Face (float32) or MLX-format (quantized) folder holding the GGUF's weights."""
+    out.mkdir()
+    tensors, quant = {}, {"group_size": 32, "bits": 4}
+    for name, w in loaded_model.weights.items():
+        if isinstance(w, QuantizedTensor) and quantized:
+            stem = name[: -len(".weight")]
+            tensors[name], tensors[stem + ".scales"], tensors[stem + ".biases"] = w.weight, w.scales, w.biases
+            if (w.bits, w.group_size) != (4, 32):
+                quant[stem] = {"group_size": w.group_size, "bits": w.bits}
+        else:
+            tensors[name] = w.dequantize() if isinstance(w, QuantizedTensor) else np.asarray(w, np.float32)
+    config = loaded_model.args.to_config()
+    config["architectures"] = ["LlamaForCausalLM"]
+    if quantized:
+        config["quantization"] = quant
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(out / "model.safetensors"))
+    loaded_model.tokenizer.save_pretrained(out)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["safetensors", "mlx"])
+def test_folders_give_the_gguf_logits(loaded_model, engine, tmp_path, quantized):
+    _write_folder(loaded_model, tmp_path / "m", quantized)
+    folder = load_folder(tmp_path / "m")
+    assert folder.format == ("mlx" if quantized else "safetensors")
+    ids = REFERENCE["cases"][1]["prompt_ids"]
+    other = LLMEngine(folder, backend="numpy", kv_memory="32MiB")
+    assert np.abs(other.prompt_logits(ids) - engine.prompt_logits(ids)).max() < 1e-3
+    assert folder.tokenizer.encode("Hello world") == loaded_model.tokenizer.encode("Hello world")
+
+
+def test_run_json(model_path):
+    done = edgeserve_cli("run", "--model", str(model_path), "--backend", "numpy", "--kv-memory", "64MiB",
+                         "--max-tokens", "8", "--json", "What is the capital of France?")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert "Paris" in out["text"]
+    assert out["completion_tokens"] == 8 or out["finish_reason"] == "stop"
+    assert out["prompt_tokens"] > 10 and out["decode_tokens_per_s"] > 0 and out["ttft_s"] > 0
+
+
+def _patch_tensor_type(src: Path, dst: Path, tensor: str, new_type: int) -> None:
+    data = bytearray(src.read_bytes())
+    name = tensor.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, new_type)
+    dst.write_bytes(bytes(data))
+
+
+def _bad_models(model_path: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
+    raw = model_path.read_bytes()
+    truncated, magic, arch, qtype = tmp / "truncated.gguf", tmp / "magic.gguf", tmp / "arch.gguf", tmp / "qtype.gguf"
+    truncated.write_bytes(raw[: len(raw) // 2])
+    magic.write_bytes(b"GGUX" + raw[4:1000])
+    w = gguf.GGUFWriter(arch, "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _patch_tensor_type(model_path, qtype, "blk.0.attn_q.weight", int(gguf.GGMLQuantizationType.I32))
+    return {
+        "truncated": (truncated, "truncated (tensor"),
+        "magic": (magic, "not a GGUF file"),
+        "arch": (arch, "unsupported architecture 'gpt2'"),
+        "qtype": (qtype, "unsupported tensor type"),
+        "missing": (tmp / "nope.gguf", "not found"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["truncated", "magic", "arch", "qtype", "missing"])
+def test_bad_model_files_get_one_clear_line(model_path, tmp_path, kind):
+    path, message = _bad_models(model_path, tmp_path)[kind]
+    done = edgeserve_cli("run", "--model", str(path), "--backend", "numpy", "hi", timeout=120)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr
+
+
+def test_unknown_backend_and_long_prompt(model_path):
+    done = edgeserve_cli("run", "--model", str(model_path), "--backend", "tpu", "hi")
+    assert done.returncode == 1 and done.stderr.strip() == "error: unknown backend 'tpu' (choose from auto, numpy, mlx)"
+    done = edgeserve_cli("run", "--model", str(model_path), "--backend", "numpy", "--raw", "--kv-memory", "64MiB",
+                         "word " * 9000)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error: prompt has 9001 tokens but the model's context is 8192")
