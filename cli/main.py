@@ -30,10 +30,15 @@ def cli() -> None:
 
 
 def _register() -> None:
+    from edgeserve.cli.bench_cmd import bench_cmd
+    from edgeserve.cli.chat_cmd import chat
+    from edgeserve.cli.convert_cmd import convert_cmd, eval_group
     from edgeserve.cli.model_cmds import info, models, pull
     from edgeserve.cli.run_cmd import run
+    from edgeserve.cli.serve_cmd import serve
+    from edgeserve.cli.tui_cmd import tui
 
-    for command in (run, pull, models, info):
+    for command in (run, pull, models, info, serve, chat, tui, convert_cmd, eval_group, bench_cmd):
         cli.add_command(command)
 
 

@@ -25,10 +25,11 @@ def model_options(f: Callable) -> Callable:
     return f
 
 
-def build_engine(model: str, backend: str, kv_memory: str, quiet: bool = False, **kwargs: Any) -> LLMEngine:
+def build_engine(model: str, backend: str, kv_memory: str, weights: str = "auto", quiet: bool = False,
+                 **kwargs: Any) -> LLMEngine:
     """Load the model and start an engine, printing what was allocated to stderr."""
     loaded = load_model(model)
-    engine = LLMEngine(loaded, backend=backend, kv_memory=kv_memory, **kwargs)
+    engine = LLMEngine(loaded, backend=backend, weights=weights, kv_memory=kv_memory, **kwargs)
     if not quiet:
         print(f"{loaded.source.name} on {engine.backend.name}; {engine.pool_size.describe()}", file=sys.stderr)
     return engine

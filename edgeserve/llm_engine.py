@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from edgeserve.backends import get_backend
+from edgeserve.backends.numpy_backend import choose_weights_mode
 from edgeserve.block_manager import BlockManager, blocks_for
 from edgeserve.chat_template import ChatTemplate
 from edgeserve.detokenizer import IncrementalDetokenizer
@@ -22,6 +22,7 @@ from edgeserve.sampler import sample, token_logprobs
 from edgeserve.sampling_params import SamplingParams
 from edgeserve.scheduler import ScheduledSeq, Scheduler
 from edgeserve.sequence import Sequence, SequenceStatus
+from edgeserve.system import available_memory_bytes
 from edgeserve.units import parse_size
 
 DEFAULT_KV_MEMORY = "1GiB"
@@ -82,7 +83,7 @@ def kv_budget_bytes(spec: str | int | None) -> int:
     if fraction is not None:
         if not 0 < fraction < 1:
             raise EdgeserveError(f"invalid KV memory fraction {spec!r}")
-        return int(fraction * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+        return int(fraction * available_memory_bytes())
     return parse_size(text)
 
 
@@ -91,6 +92,7 @@ class LLMEngine:
         self,
         model: LoadedModel,
         backend: str = "auto",
+        weights: str = "auto",
         kv_memory: str | int | None = None,
         block_size: int = 16,
         max_num_seqs: int = 64,
@@ -101,7 +103,9 @@ class LLMEngine:
     ):
         self.model = model
         self.tokenizer = model.tokenizer
-        self.backend = get_backend(backend)
+        if weights == "auto":
+            weights = choose_weights_mode(model, available_memory_bytes())
+        self.backend = get_backend(backend, weights=weights)
         kv_bytes = self.backend.kv_dtype_bytes if hasattr(self.backend, "kv_dtype_bytes") else 4
         self.pool_size = size_pool(model.args, kv_budget_bytes(kv_memory), block_size, kv_bytes)
         self.runner = ModelRunner(model, self.backend, self.pool_size)

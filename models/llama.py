@@ -50,7 +50,28 @@ class ModelArgs:
         return cls(**args)
 
     def to_config(self) -> dict[str, Any]:
+        """A Hugging Face / mlx-lm config.json dictionary (raises ValueError where none can say it)."""
         config = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "extra"}
+        architecture = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(self.model_type)
+        config.update(architectures=[architecture or "LlamaForCausalLM"], hidden_act="silu")
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "factors":
+            # GGUF keeps Llama 3 rope scaling only as per-frequency divisors. Every Llama 3.x
+            # model uses low/high frequency factors 1 and 4, which leaves the factor (the
+            # largest divisor) and the original context (from the divisors in between) to recover.
+            divisors = np.asarray(scaling["factors"], dtype=np.float64)
+            factor = float(divisors.max())
+            dim = self.head_dim
+            wavelen = 2 * math.pi * self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+            between = (divisors > 1) & (divisors < factor)
+            smooth = (1 / divisors[between] - 1 / factor) / (1 - 1 / factor)
+            original = int(np.round(np.median(wavelen[between] * (3 * smooth + 1)))) if between.any() else 8192
+            config["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+            fitted = type(self)(**{**self.__dict__, "rope_scaling": config["rope_scaling"]})
+            if not np.allclose(rope_inv_freq(fitted), rope_inv_freq(self), rtol=1e-5, atol=0):
+                raise ValueError("the model's rope frequency factors (GGUF rope_freqs) match no Llama 3 "
+                                 "rope_scaling that config.json can hold")
         config.update(self.extra)
         return config
 

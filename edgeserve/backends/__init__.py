@@ -17,8 +17,11 @@ def mlx_gpu_available() -> bool:
     return mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available())
 
 
-def get_backend(name: str = "auto") -> Any:
-    """A backend instance; 'auto' takes MLX on a GPU and NumPy on a plain CPU (MLX's CPU GEMMs are slow)."""
+def get_backend(name: str = "auto", weights: str = "float32") -> Any:
+    """A backend instance; 'auto' takes MLX on a GPU and NumPy on a plain CPU (MLX's CPU GEMMs are slow).
+
+    weights: the NumPy backend's weights mode ("float32" or "quantized"); MLX keeps weights quantized.
+    """
     if name not in BACKENDS:
         raise EdgeserveError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
     if name == "auto":
@@ -31,4 +34,4 @@ def get_backend(name: str = "auto") -> Any:
         return MLXBackend()
     from edgeserve.backends.numpy_backend import NumpyBackend
 
-    return NumpyBackend()
+    return NumpyBackend(weights=weights)

@@ -1,4 +1,9 @@
-"""The NumPy backend: float32 weights and BLAS GEMMs on the CPU, paged attention in plain NumPy."""
+"""The NumPy backend: float32 weights and BLAS GEMMs on the CPU, paged attention in plain NumPy.
+
+Weights are held as float32 (`weights="float32"`, fastest), or, where memory is short, kept in
+their quantized storage and dequantized a block of rows at a time inside each matmul
+(`weights="quantized"`), so no float32 copy of a whole matrix ever stays resident.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,14 @@ from typing import Any
 import numpy as np
 
 from edgeserve.batch import Batch
+from edgeserve.errors import EdgeserveError
 from edgeserve.quant.affine import QuantizedTensor
 
 NEG_INF = np.float32(-1e30)
+WEIGHT_MODES = ("float32", "quantized")
+
+# Elements of weight dequantized at once in "quantized" mode: 16 MiB of float32 scratch.
+_DEQUANT_BLOCK_ELEMENTS = 1 << 22
 
 
 def as_float32(w: Any) -> np.ndarray:
@@ -18,6 +28,32 @@ def as_float32(w: Any) -> np.ndarray:
     if isinstance(w, QuantizedTensor):
         return w.dequantize(np.float32)
     return np.ascontiguousarray(w, dtype=np.float32)
+
+
+def resident_weight_bytes(model: Any, mode: str) -> int:
+    """Bytes of weights a NumpyBackend in `mode` holds for a LoadedModel.
+
+    "quantized" mode shares the model's own quantized arrays; "float32" mode holds float32
+    copies, on top of the model's arrays for as long as the LoadedModel is kept.
+    """
+    _check_mode(mode)
+    total = 0
+    for w in model.weights.values():
+        if mode == "quantized" and isinstance(w, QuantizedTensor):
+            total += w.weight.nbytes + w.scales.nbytes + w.biases.nbytes
+        else:
+            total += 4 * int(np.prod(w.shape))
+    return total
+
+
+def choose_weights_mode(model: Any, available_bytes: int) -> str:
+    """'float32' when its weights take at most half of `available_bytes`, else 'quantized'."""
+    return "float32" if 2 * resident_weight_bytes(model, "float32") <= available_bytes else "quantized"
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in WEIGHT_MODES:
+        raise EdgeserveError(f"unknown weights mode {mode!r} (choose from {', '.join(WEIGHT_MODES)})")
 
 
 @dataclass
@@ -47,14 +83,22 @@ class NumpyBackend:
     name = "numpy"
     kv_dtype = np.float32
 
+    def __init__(self, weights: str = "float32"):
+        _check_mode(weights)
+        self.weights = weights
+
     def vector(self, w: Any) -> np.ndarray:
         return as_float32(w)
 
-    def embedding(self, w: Any) -> np.ndarray:
+    def embedding(self, w: Any) -> np.ndarray | QuantizedTensor:
+        if self.weights == "quantized" and isinstance(w, QuantizedTensor):
+            return w
         return as_float32(w)
 
-    def linear(self, parts: list[Any]) -> np.ndarray:
+    def linear(self, parts: list[Any]) -> np.ndarray | DequantizingLinear:
         """Fuse weights sharing an input (q/k/v, gate/up) into one [out, in] matrix: one GEMM each."""
+        if self.weights == "quantized" and any(isinstance(p, QuantizedTensor) for p in parts):
+            return DequantizingLinear([p if isinstance(p, QuantizedTensor) else as_float32(p) for p in parts])
         return np.ascontiguousarray(np.concatenate([as_float32(p) for p in parts], axis=0))
 
     def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -96,13 +140,19 @@ class NumpyBackend:
             prefills=prefills,
         )
 
-    def embed(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    def embed(self, table: np.ndarray | QuantizedTensor, ids: np.ndarray) -> np.ndarray:
+        if isinstance(table, QuantizedTensor):
+            return table.take_rows(ids).dequantize(np.float32)
         return table[ids]
 
-    def matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    def matmul(self, x: np.ndarray, w: np.ndarray | DequantizingLinear) -> np.ndarray:
+        if isinstance(w, DequantizingLinear):
+            return w(x)
         return x @ w.T
 
-    def lm_head(self, x: np.ndarray, table: np.ndarray) -> np.ndarray:
+    def lm_head(self, x: np.ndarray, table: np.ndarray | QuantizedTensor) -> np.ndarray:
+        if isinstance(table, QuantizedTensor):
+            return DequantizingLinear([table])(x)
         return x @ table.T
 
     def take_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -160,6 +210,34 @@ class NumpyBackend:
             o = _softmax_av(scores, v[:, None])  # [kv, g, n, hd]
             out[chunk.rows] = o.transpose(2, 0, 1, 3).reshape(n, n_heads, hd)
         return out
+
+
+class DequantizingLinear:
+    """Weights sharing an input, kept as stored; each call dequantizes a block of rows at a time."""
+
+    def __init__(self, parts: list[np.ndarray | QuantizedTensor]):
+        self.parts = parts
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x @ W.T for the parts stacked by rows, as one [T, out] array."""
+        out = np.empty((x.shape[0], sum(p.shape[0] for p in self.parts)), dtype=np.float32)
+        col = 0
+        for part in self.parts:
+            rows, cols = part.shape
+            step = max(1, _DEQUANT_BLOCK_ELEMENTS // cols) if isinstance(part, QuantizedTensor) else rows
+            for start in range(0, rows, step):
+                stop = min(start + step, rows)
+                out[:, col + start : col + stop] = x @ _float32_rows(part, start, stop).T
+            col += rows
+        return out
+
+
+def _float32_rows(w: np.ndarray | QuantizedTensor, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of a weight as float32, dequantizing only those rows."""
+    if not isinstance(w, QuantizedTensor):
+        return w[start:stop]
+    block = QuantizedTensor(w.weight[start:stop], w.scales[start:stop], w.biases[start:stop], w.bits, w.group_size)
+    return block.dequantize(np.float32)
 
 
 def _softmax_av(scores: np.ndarray, v: np.ndarray) -> np.ndarray:

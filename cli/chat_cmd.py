@@ -1,0 +1,219 @@
+"""`edgeserve chat`: a terminal conversation with the model, streamed token by token."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import uuid
+
+import click
+from prompt_toolkit import PromptSession
+from prompt_toolkit.history import FileHistory, InMemoryHistory
+from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
+from rich.console import Console
+from rich.markup import escape
+
+from edgeserve.async_engine import AsyncEngine
+from edgeserve.cli.chat_backends import ChatBackend, EngineChatBackend, ReplyStats
+from edgeserve.cli.options import build_engine, model_options
+from edgeserve.conversation import COMMANDS, Conversation
+from edgeserve.errors import EdgeserveError
+from edgeserve.models.catalog import home
+from edgeserve.sampling_params import SamplingParams
+from edgeserve.units import format_size
+
+PROMPT = ">>> "
+INPUT_HELP = [
+    ("Enter", "send"),
+    ("\\ at the end of a line, or Esc Enter", "new line (multi-line input)"),
+    ("Up / Down, Ctrl-R", "input history, search"),
+    ("Ctrl-C", "stop the answer (at the prompt: clear the line)"),
+    ("Ctrl-D", "leave"),
+]
+
+
+def _input_keys() -> KeyBindings:
+    """Enter sends, unless the line ends in a backslash; Esc Enter (Meta-Enter) always starts a new line."""
+    keys = KeyBindings()
+
+    @keys.add("enter")
+    def _(event: KeyPressEvent) -> None:
+        buffer = event.current_buffer
+        if buffer.document.text_before_cursor.endswith("\\"):
+            buffer.delete_before_cursor(1)
+            buffer.insert_text("\n")
+        else:
+            buffer.validate_and_handle()
+
+    @keys.add("escape", "enter")
+    def _(event: KeyPressEvent) -> None:
+        event.current_buffer.insert_text("\n")
+
+    return keys
+
+
+def _prompt_session() -> PromptSession:
+    try:
+        home().mkdir(parents=True, exist_ok=True)
+        history = FileHistory(str(home() / "chat_history"))
+    except OSError:
+        history = InMemoryHistory()
+    return PromptSession(history=history, key_bindings=_input_keys(), prompt_continuation="... ")
+
+
+class ChatRepl:
+    """Read a line, run it as a slash command or send it with the whole history, stream the answer."""
+
+    def __init__(self, backend: ChatBackend, conversation: Conversation, console: Console | None = None):
+        self.backend = backend
+        self.conversation = conversation
+        self.console = console or Console(highlight=False)
+        self.last: ReplyStats | None = None
+        # line editing needs a terminal; piped input is read line by line
+        self.session = _prompt_session() if sys.stdin.isatty() else None
+
+    def note(self, text: str) -> None:
+        self.console.print(escape(text), style="dim")
+
+    def error(self, text: str) -> None:
+        self.console.print(f"error: {escape(text)}", style="red")
+
+    async def _read(self) -> str:
+        if self.session is not None:
+            return await self.session.prompt_async(PROMPT)
+        line = await asyncio.to_thread(sys.stdin.readline)
+        if not line:
+            raise EOFError
+        return line.rstrip("\n")
+
+    async def run(self) -> None:
+        self.note(f"{self.backend.model_name} on {self.backend.backend_name}. /help lists the commands; Ctrl-D leaves.")
+        while True:
+            try:
+                line = (await self._read()).strip()
+            except KeyboardInterrupt:
+                continue
+            except EOFError:
+                return
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not await self.command(line):
+                    return
+            else:
+                await self.answer(line)
+
+    async def command(self, line: str) -> bool:
+        """Run a slash command; False means leave."""
+        try:
+            outcome = self.conversation.command(line)
+        except EdgeserveError as exc:
+            self.error(str(exc))
+            return True
+        if outcome.message:
+            self.note(outcome.message)
+        if outcome.action == "help":
+            self.show_help()
+        elif outcome.action == "stats":
+            await self.show_stats()
+        return outcome.action != "exit"
+
+    def show_help(self) -> None:
+        width = max(len(k) for k, _ in COMMANDS + INPUT_HELP)
+        for key, text in COMMANDS + INPUT_HELP:
+            self.console.print(f"  [bold]{escape(key.ljust(width))}[/bold]  {escape(text)}")
+
+    async def show_stats(self) -> None:
+        conv = self.conversation
+        size = f"{len(conv.turns)} messages"
+        if conv.messages() and (tokens := self.backend.count_tokens(conv.messages())) is not None:
+            size += f", {tokens} of {self.backend.context_tokens} context tokens"
+        lines = [f"conversation: {size}; system prompt: {conv.system or '(the model default)'}"]
+        params = conv.sampling_params()
+        lines.append(f"settings: temperature={params.temperature}, top_p={params.top_p}, max_tokens={params.max_tokens}")
+        st = await self.backend.status()
+        if st.kv_blocks is not None:
+            counts = {s: sum(b.state == s for b in st.kv_blocks) for s in ("used", "shared", "cached", "free")}
+            lines.append(f"KV pool: {len(st.kv_blocks)} blocks of {st.block_size} tokens: "
+                         + ", ".join(f"{n} {s}" for s, n in counts.items()))
+        if st.prefix_hit_rate is not None:
+            lines.append(f"prefix cache hit rate: {100 * st.prefix_hit_rate:.0f}%")
+        if st.memory_bytes is not None:
+            lines.append(f"memory: {format_size(st.memory_bytes)} (weights and KV pool)")
+        if self.last is not None:
+            lines.append(f"last answer: {self.last.summary()}")
+        for line in lines:
+            self.console.print(escape(line))
+
+    async def answer(self, text: str) -> None:
+        conv = self.conversation
+        conv.add("user", text)
+        try:
+            params = conv.sampling_params()
+            dropped = self.backend.fit(conv, params)
+        except EdgeserveError as exc:
+            conv.pop_user()
+            self.error(str(exc))
+            return
+        if dropped:
+            self.note(f"the conversation outgrew the context: dropped the {dropped} oldest messages "
+                      f"(/reset starts afresh)")
+        reply: list[str] = []
+        task = asyncio.ensure_future(self._stream(conv.messages(), params, reply))
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, task.cancel)
+        stats, failure = None, None
+        try:
+            stats = await task
+        except asyncio.CancelledError:
+            self.console.print()
+            self.note("[interrupted]")
+        except EdgeserveError as exc:
+            failure = exc
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+        answer = "".join(reply)
+        if answer:
+            conv.add("assistant", answer)  # an interrupted answer stays as far as it got
+        else:
+            conv.pop_user()
+        if failure is not None:
+            self.console.print()
+            self.error(str(failure))
+        elif stats is not None:
+            self.last = stats
+            self.console.print()
+            note = stats.summary()
+            if stats.finish_reason == "length":
+                note += " · stopped at max_tokens"
+            self.note(note)
+
+    async def _stream(self, messages: list[dict], params: SamplingParams, reply: list[str]) -> ReplyStats | None:
+        stats = None
+        async for chunk in self.backend.stream(messages, params, f"chat-{uuid.uuid4().hex[:12]}"):
+            if chunk.text:
+                reply.append(chunk.text)
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            stats = chunk.stats or stats
+        return stats
+
+
+@click.command()
+@model_options
+@click.option("--system", default=None, help="System prompt.")
+@click.option("--temperature", "-t", default=0.7, show_default=True, help="0 is greedy.")
+@click.option("--max-tokens", "-n", default=1024, show_default=True, help="Most tokens per answer.")
+@click.option("--context", type=click.IntRange(min=16), default=None,
+              help="Limit the context to this many tokens (default: the model's).")
+def chat(model: str, backend: str, kv_memory: str, system: str | None, temperature: float, max_tokens: int,
+         context: int | None) -> None:
+    """Talk with a model in the terminal; the answer streams as it is generated."""
+    conversation = Conversation(system=system, settings={"temperature": temperature, "max_tokens": max_tokens})
+    engine = build_engine(model, backend, kv_memory, max_model_len=context)
+    aengine = AsyncEngine(engine)
+    try:
+        asyncio.run(ChatRepl(EngineChatBackend(aengine), conversation).run())
+    finally:
+        aengine.shutdown()

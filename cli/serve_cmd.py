@@ -1,0 +1,76 @@
+"""`edgeserve serve`: the OpenAI-compatible server, on loopback by default."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import sys
+from pathlib import Path
+
+import click
+import uvicorn
+
+from edgeserve.async_engine import AsyncEngine
+from edgeserve.cli.options import build_engine, model_options
+from edgeserve.errors import EdgeserveError
+from edgeserve.models.catalog import CATALOG
+from edgeserve.server import DEFAULT_MAX_QUEUE, create_app
+
+
+def served_model_name(model: str) -> str:
+    """The id clients pass as `model`: a catalog name or hub id as given, else the file or folder name."""
+    path = Path(model).expanduser()
+    if model in CATALOG or not path.exists():
+        return model
+    return path.stem if path.is_file() else path.name
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind the port now, before the slow model load, so a taken port fails at once."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise EdgeserveError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    return sock
+
+
+@click.command()
+@model_options
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. Anything but loopback exposes the model to your network.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", envvar="EDGESERVE_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1 (default: $EDGESERVE_API_KEY).")
+@click.option("--max-queue", default=DEFAULT_MAX_QUEUE, show_default=True, type=click.IntRange(1),
+              help="Requests running or waiting beyond which new ones are refused with 429.")
+def serve(model: str, backend: str, kv_memory: str, host: str, port: int, api_key: str | None,
+          max_queue: int) -> None:
+    """Serve a model over the OpenAI API (chat and text completions, streaming) for local tools."""
+    sock = _listen(host, port)
+    engine = build_engine(model, backend, kv_memory)
+    aengine = AsyncEngine(engine)
+    name = served_model_name(model)
+    app = create_app(aengine, name, api_key=api_key, max_queue=max_queue)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    if not api_key and not _is_loopback(host):
+        click.echo(f"warning: listening on {host} without an API key; anyone who can reach it can use it", err=True)
+    address = f"[{host}]" if ":" in host else host
+    click.echo(f"serving {name} at http://{address}:{sock.getsockname()[1]}/v1 (Ctrl-C stops)")
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        aengine.shutdown()

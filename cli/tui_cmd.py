@@ -1,0 +1,54 @@
+"""`edgeserve tui`: several chat sessions at once, in-process or against a running server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import click
+from click.core import ParameterSource
+
+from edgeserve.async_engine import AsyncEngine
+from edgeserve.cli.chat_backends import ChatBackend, EngineChatBackend, RemoteChatBackend
+from edgeserve.cli.options import build_engine, model_options
+from edgeserve.cli.tui_app import EdgeserveApp
+from edgeserve.errors import EdgeserveError
+from edgeserve.sampling_params import SamplingParams
+
+
+async def _check(backend: ChatBackend) -> None:
+    await backend.start()
+    await backend.aclose()
+
+
+@click.command()
+@model_options
+@click.option("--url", default=None,
+              help="Talk to a running `edgeserve serve` (or any OpenAI-compatible server) at this address "
+                   "instead of loading a model.")
+@click.option("--api-key", envvar="EDGESERVE_API_KEY", default=None, help="API key for --url.")
+@click.option("--system", default=None, help="System prompt of new sessions.")
+@click.option("--temperature", "-t", default=0.7, show_default=True, help="Temperature of new sessions; 0 is greedy.")
+@click.option("--max-tokens", "-n", default=1024, show_default=True, help="Most tokens per answer.")
+@click.pass_context
+def tui(ctx: click.Context, model: str, backend: str, kv_memory: str, url: str | None, api_key: str | None,
+        system: str | None, temperature: float, max_tokens: int) -> None:
+    """Chat in several sessions side by side and watch the engine batch them (F1 lists the keys)."""
+    settings = {"temperature": temperature, "max_tokens": max_tokens}
+    SamplingParams(**settings)  # reject bad values before connecting or loading anything
+    aengine = None
+    if url:
+        # a server picks its own model unless one was asked for
+        chosen = None if ctx.get_parameter_source("model") == ParameterSource.DEFAULT else model
+        chat_backend: ChatBackend = RemoteChatBackend(url, api_key, chosen)
+        asyncio.run(_check(chat_backend))  # an unreachable server is one line of error, before the screen opens
+    else:
+        aengine = AsyncEngine(build_engine(model, backend, kv_memory))
+        chat_backend = EngineChatBackend(aengine)
+    try:
+        app = EdgeserveApp(chat_backend, system, settings)
+        app.run()
+    finally:
+        if aengine is not None:
+            aengine.shutdown()
+    if app.startup_error:
+        raise EdgeserveError(app.startup_error)

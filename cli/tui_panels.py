@@ -1,0 +1,117 @@
+"""The TUI's live side panel: the model and engine figures, and the map of the paged KV pool."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from math import ceil
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widget import Widget
+from textual.widgets import Static
+
+from edgeserve.cli.chat_backends import BackendStatus, KVBlock
+from edgeserve.units import format_size
+
+# How each block state is drawn; a used or shared block takes the colour of the session holding it.
+GLYPHS = {"used": "█", "shared": "▓", "cached": "░", "free": "·"}
+_RANK = {"free": 0, "cached": 1, "used": 2, "shared": 3}  # which block a cell shows when it stands for several
+OTHER_OWNER = "white"  # a request of no session here (another client of the server)
+
+ColourOf = Callable[[str], "str | None"]
+
+
+class KVMap(Widget):
+    """One cell per KV block (or per few blocks, when the pool outgrows the panel)."""
+
+    DEFAULT_CSS = "KVMap { height: 1fr; }"
+
+    def __init__(self, colour_of: ColourOf, **kwargs: object):
+        super().__init__(**kwargs)
+        self.colour_of = colour_of
+        self.blocks: list[KVBlock] | None = []
+
+    def show(self, blocks: list[KVBlock] | None) -> None:
+        self.blocks = blocks
+        self.refresh()
+
+    def owners(self) -> set[str]:
+        """The request ids holding blocks in the latest map."""
+        return {o for b in self.blocks or [] for o in b.owners}
+
+    def _cell(self, group: list[KVBlock]) -> tuple[str, str]:
+        block = max(group, key=lambda b: _RANK[b.state])
+        if block.state in ("used", "shared"):
+            colour = next((c for c in map(self.colour_of, block.owners) if c), OTHER_OWNER)
+            return GLYPHS[block.state], colour
+        return GLYPHS[block.state], "grey50" if block.state == "cached" else "grey30"
+
+    def render(self) -> Text:
+        if self.blocks is None:
+            return Text("no KV map: the server does not publish one", style="dim")
+        width, height = max(1, self.size.width), max(1, self.size.height)
+        per_cell = max(1, ceil(len(self.blocks) / (width * height)))
+        cells = [self._cell(self.blocks[i:i + per_cell]) for i in range(0, len(self.blocks), per_cell)]
+        text = Text(no_wrap=True)
+        for i, (glyph, style) in enumerate(cells):
+            if i and i % width == 0:
+                text.append("\n")
+            text.append(glyph, style)
+        return text
+
+
+class StatusPanel(Vertical):
+    """Model, backend and memory; running and waiting sequences, batch size, tokens/s; the KV map."""
+
+    DEFAULT_CSS = """
+    StatusPanel { width: 44; border: round $primary; padding: 0 1; }
+    StatusPanel > #figures { height: auto; }
+    StatusPanel > #kv-title { height: auto; margin-top: 1; text-style: bold; }
+    StatusPanel > #kv-legend { height: auto; }
+    """
+
+    def __init__(self, model: str, backend: str, colour_of: ColourOf, **kwargs: object):
+        super().__init__(**kwargs)
+        self.model = model
+        self.backend = backend
+        self.colour_of = colour_of
+        self.status = BackendStatus()
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="figures")
+        yield Static("KV pool", id="kv-title")
+        yield KVMap(self.colour_of, id="kv-map")
+        legend = Text()
+        for state in ("used", "shared", "cached", "free"):
+            legend.append(f"{GLYPHS[state]} {state}  ", "grey50" if state in ("cached", "free") else "bold")
+        legend.append("\ncolour: the session holding the block", "dim")
+        yield Static(legend, id="kv-legend")
+
+    def on_mount(self) -> None:
+        self.border_title = "engine"
+        self.show(self.status)
+
+    def show(self, status: BackendStatus) -> None:
+        self.status = status
+
+        def figure(value: object, fmt: str = "{}") -> str:
+            return "—" if value is None else fmt.format(value)
+
+        lines = [
+            f"model    {self.model}",
+            f"backend  {self.backend}",
+            "memory   " + ("—" if status.memory_bytes is None
+                               else f"{format_size(status.memory_bytes)} (weights + KV pool)"),
+            f"running  {figure(status.running)}   waiting {figure(status.waiting)}   batch {figure(status.batch_size)}",
+            f"tokens/s {figure(status.tokens_per_second, '{:.1f}')}"
+            + (f"   prefix hits {100 * status.prefix_hit_rate:.0f}%" if status.prefix_hit_rate is not None else ""),
+        ]
+        self.query_one("#figures", Static).update(Text("\n".join(lines)))
+        title = "KV pool"
+        if status.kv_blocks is not None:
+            counts = {s: sum(b.state == s for b in status.kv_blocks) for s in GLYPHS}
+            title += (f": {len(status.kv_blocks)} blocks × {status.block_size} tokens\n"
+                      + "  ".join(f"{n} {s}" for s, n in counts.items()))
+        self.query_one("#kv-title", Static).update(Text(title))
+        self.query_one(KVMap).show(status.kv_blocks)

@@ -1,0 +1,217 @@
+"""The MLX backend: quantized weights stay quantized, GEMMs and attention run lazily on MLX's device.
+
+A whole step builds one lazy graph (embedding, every layer's K/V writes into the pool, attention,
+logits); `to_numpy` evaluates it once. Activations and the KV pool are float16 on a GPU and
+float32 on the CPU, where MLX has no fast half-precision arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from edgeserve.batch import Batch
+from edgeserve.metal import select_attention
+from edgeserve.quant.affine import QuantizedTensor
+
+
+@dataclass
+class QuantizedWeight:
+    """An [out, in] matrix in MLX's affine layout, used through quantized_matmul without dequantizing."""
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    def matmul(self, x: mx.array) -> mx.array:
+        return mx.quantized_matmul(
+            x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
+        )
+
+    def rows(self, ids: mx.array) -> mx.array:
+        """Dequantized rows (an embedding lookup)."""
+        return mx.dequantize(self.weight[ids], self.scales[ids], self.biases[ids], self.group_size, self.bits)
+
+
+@dataclass
+class DenseWeight:
+    weight: mx.array  # [out, in]
+
+    def matmul(self, x: mx.array) -> mx.array:
+        return x @ self.weight.T
+
+    def rows(self, ids: mx.array) -> mx.array:
+        return self.weight[ids]
+
+
+@dataclass
+class Linear:
+    """Weights sharing one input (q/k/v, gate/up), fused into as few matmuls as their storage allows."""
+
+    parts: list[QuantizedWeight | DenseWeight]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        outputs = [p.matmul(x) for p in self.parts]
+        return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=-1)
+
+
+@dataclass
+class MLXMeta:
+    """Per-step arrays, computed once and shared by every layer."""
+
+    token_ids: mx.array
+    positions: mx.array
+    slot_blocks: mx.array  # pool block of each row's K/V
+    slot_offsets: mx.array  # offset inside that block
+    logits_indices: mx.array
+    freqs: mx.array  # RoPE wavelengths, as mx.fast.rope takes them
+    attention: Any  # the active attention path's own per-step arrays
+
+
+class MLXBackend:
+    name = "mlx"
+
+    def __init__(self) -> None:
+        on_gpu = mx.default_device().type == mx.DeviceType.gpu
+        self.dtype = mx.float16 if on_gpu else mx.float32
+        self.kv_dtype_bytes = self.dtype.size
+        self.attention = select_attention()
+        self._written: list[mx.array] = []  # this step's pool arrays, evaluated with its logits
+
+    # weights ------------------------------------------------------------------
+
+    def _float(self, w: Any) -> mx.array:
+        a = mx.array(np.asarray(w, dtype=np.float32)).astype(self.dtype)
+        mx.eval(a)
+        return a
+
+    def _scales(self, a: np.ndarray) -> mx.array:
+        if a.dtype == np.uint16:  # bfloat16 kept as its bit patterns
+            return mx.array(a).view(mx.bfloat16).astype(self.dtype)
+        return mx.array(a).astype(self.dtype)
+
+    def _weight(self, w: Any) -> QuantizedWeight | DenseWeight:
+        if isinstance(w, QuantizedTensor):
+            q = QuantizedWeight(mx.array(w.weight), self._scales(w.scales), self._scales(w.biases), w.bits, w.group_size)
+            mx.eval(q.weight, q.scales, q.biases)
+            return q
+        return DenseWeight(self._float(w))
+
+    def vector(self, w: Any) -> mx.array:
+        return self._float(w)
+
+    def embedding(self, w: Any) -> Linear:
+        return Linear([self._weight(w)])
+
+    def linear(self, parts: list[Any]) -> Linear:
+        """Concatenate the rows of neighbouring parts stored alike, so q/k/v or gate/up is one matmul."""
+        groups: list[list[Any]] = []
+        for p in parts:
+            if groups and _storage(groups[-1][0]) == _storage(p):
+                groups[-1].append(p)
+            else:
+                groups.append([p])
+        fused = []
+        for group in groups:
+            if isinstance(group[0], QuantizedTensor):
+                fused.append(
+                    QuantizedTensor(
+                        np.concatenate([p.weight for p in group]),
+                        np.concatenate([p.scales for p in group]),
+                        np.concatenate([p.biases for p in group]),
+                        group[0].bits,
+                        group[0].group_size,
+                    )
+                )
+            else:
+                fused.append(np.concatenate([np.asarray(p, dtype=np.float32) for p in group]))
+        return Linear([self._weight(w) for w in fused])
+
+    def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> mx.array:
+        return mx.array((1.0 / inv_freq).astype(np.float32))
+
+    # one step -----------------------------------------------------------------
+
+    def batch_meta(self, batch: Batch, rope: mx.array) -> MLXMeta:
+        bs = batch.block_size
+        return MLXMeta(
+            token_ids=mx.array(batch.token_ids.astype(np.int32)),
+            positions=mx.array(batch.positions.astype(np.int32)),
+            slot_blocks=mx.array((batch.slot_mapping // bs).astype(np.int32)),
+            slot_offsets=mx.array((batch.slot_mapping % bs).astype(np.int32)),
+            logits_indices=mx.array(batch.logits_indices.astype(np.int32)),
+            freqs=rope,
+            attention=self.attention.prepare(batch),
+        )
+
+    def embed(self, table: Linear, ids: mx.array) -> mx.array:
+        return table.parts[0].rows(ids).astype(self.dtype)
+
+    def matmul(self, x: mx.array, w: Linear) -> mx.array:
+        return w(x)
+
+    def lm_head(self, x: mx.array, table: Linear) -> mx.array:
+        if x.size == 0:  # MLX kernels reject empty launches
+            return mx.zeros((0, table.parts[0].weight.shape[0]), dtype=self.dtype)
+        return table(x)
+
+    def take_rows(self, x: mx.array, rows: mx.array) -> mx.array:
+        if rows.size == 0:  # a step of prefill chunks that sample nothing
+            return mx.zeros((0, x.shape[1]), dtype=x.dtype)
+        return x[rows]
+
+    def rms_norm(self, x: mx.array, w: mx.array, eps: float) -> mx.array:
+        return x if x.size == 0 else mx.fast.rms_norm(x, w, eps)
+
+    def apply_rope(self, x: mx.array, meta: MLXMeta) -> mx.array:
+        # mx.fast.rope counts positions along the second-to-last axis from a per-row offset,
+        # so each row becomes its own length-1 sequence starting at its position.
+        hd = x.shape[-1]
+        out = mx.fast.rope(
+            x[:, :, None, :], hd, traditional=False, base=None, scale=1.0, offset=meta.positions, freqs=meta.freqs
+        )
+        return out[:, :, 0, :]
+
+    def silu_mul(self, gate_up: mx.array) -> mx.array:
+        g, u = mx.split(gate_up, 2, axis=-1)
+        return g * mx.sigmoid(g) * u
+
+    # the KV pool --------------------------------------------------------------
+
+    def allocate_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> mx.array:
+        return mx.zeros((num_blocks, block_size, n_kv_heads, head_dim), dtype=self.dtype)
+
+    def write_kv(self, cache: mx.array, values: mx.array, meta: MLXMeta) -> mx.array:
+        # Indexing the 4-D pool directly (no reshape) leaves the scatter's input unshared, so MLX
+        # updates the pool's buffer in place instead of copying it.
+        cache[meta.slot_blocks, meta.slot_offsets] = values.astype(cache.dtype)
+        self._written.append(cache)
+        return cache
+
+    def copy_blocks(self, cache: mx.array, pairs: list[tuple[int, int]]) -> mx.array:
+        src, dst = (mx.array(list(ids), dtype=mx.int32) for ids in zip(*pairs))
+        cache[dst] = cache[src]
+        self._written.append(cache)
+        return cache
+
+    def to_numpy(self, x: mx.array) -> np.ndarray:
+        """Evaluate the step's graph, pool writes included (logits may not need them all), as float32 NumPy."""
+        x = x.astype(mx.float32)
+        mx.eval(x, *self._written)
+        self._written = []
+        return np.array(x)
+
+    def paged_attention(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: MLXMeta) -> mx.array:
+        return self.attention.run(q, k_cache, v_cache, meta.attention)
+
+
+def _storage(w: Any) -> tuple:
+    """What must agree for two weights to share one matmul."""
+    if isinstance(w, QuantizedTensor):
+        return ("quantized", w.bits, w.group_size, w.scales.dtype)
+    return ("dense",)

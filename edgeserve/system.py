@@ -1,0 +1,12 @@
+"""Facts about the machine the runtime sizes itself by."""
+
+import os
+
+
+def available_memory_bytes() -> int:
+    """Memory free for new allocations (Linux); half of physical memory where the OS does not say (macOS)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    try:
+        return page * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):
+        return page * os.sysconf("SC_PHYS_PAGES") // 2

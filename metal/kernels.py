@@ -1,0 +1,130 @@
+"""The custom paged-attention kernels: Metal sources through mx.fast.metal_kernel, CUDA twins through
+mx.fast.cuda_kernel, and the host side that sizes their launches.
+
+One kernel serves the whole ragged batch: every query row (a decode token or a row of a prefill
+chunk) attends to the first `position + 1` tokens of its sequence, read straight from the pool
+through the block table, with no gathered copy of K/V. Long contexts are split into partitions
+so that small batches still fill the GPU; a second, small kernel merges the partitions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+from edgeserve.batch import Batch
+from edgeserve.metal.reference import ReferenceMeta, prepare_reference, reference_paged_attention
+
+PLATFORMS = ("metal", "cuda")
+THREADS = 128  # 4 SIMD groups / warps per threadgroup, as the sources assume
+SUPPORTED_HEAD_DIMS = (64, 128)
+# Enough threadgroups to keep every core of a large GPU busy; partitions are cut to reach it.
+TARGET_THREADGROUPS = 512
+MIN_PARTITION, MAX_PARTITION = 64, 1024
+
+_SOURCES = Path(__file__).parent
+
+
+@dataclass
+class KernelMeta:
+    """Per-step arrays of the kernel path, computed once and shared by every layer."""
+
+    row_seq: mx.array  # [T] the sequence of each query row
+    row_len: mx.array  # [T] how many of its sequence's tokens the row sees (position + 1)
+    block_tables: mx.array  # [B, max_blocks]
+    block_size: int
+    max_len: int
+    batch: Batch  # kept for shapes the kernels do not cover, which take the reference path
+    fallback: ReferenceMeta | None = None
+
+
+def prepare_kernel(batch: Batch) -> KernelMeta:
+    """Row-to-sequence map, visible lengths and block tables for this batch."""
+    row_len = batch.positions + 1
+    return KernelMeta(
+        row_seq=mx.array(np.repeat(np.arange(batch.num_seqs), batch.query_lens).astype(np.int32)),
+        row_len=mx.array(row_len.astype(np.int32)),
+        block_tables=mx.array(batch.block_tables.astype(np.int32)),
+        block_size=batch.block_size,
+        max_len=int(row_len.max()),
+        batch=batch,
+    )
+
+
+def partition_size(num_rows: int, n_kv: int, max_len: int) -> int:
+    """Tokens per partition: a power of two, small enough that the launch fills the GPU."""
+    parts_wanted = max(1, math.ceil(TARGET_THREADGROUPS / (num_rows * n_kv)))
+    size = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(max_len / parts_wanted)))))
+    return min(MAX_PARTITION, max(MIN_PARTITION, size))
+
+
+@cache
+def _kernels(platform: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The (partition, reduce) kernel objects for one platform, built once."""
+    make = mx.fast.metal_kernel if platform == "metal" else mx.fast.cuda_kernel
+    ext = "metal" if platform == "metal" else "cu"
+    partition = make(
+        name="edgeserve_paged_attention",
+        input_names=["q", "k_cache", "v_cache", "block_tables", "row_seq", "row_len"],
+        output_names=["part_acc", "part_max", "part_sum"],
+        source=(_SOURCES / f"paged_attention.{ext}").read_text(),
+    )
+    reduce = make(
+        name="edgeserve_paged_attention_reduce",
+        input_names=["part_acc", "part_max", "part_sum"],
+        output_names=["out"],
+        source=(_SOURCES / f"paged_attention_reduce.{ext}").read_text(),
+    )
+    return partition, reduce
+
+
+def kernel_paged_attention(
+    q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: KernelMeta, platform: str
+) -> mx.array:
+    """Attention of each row [T, n_heads, head_dim] over its sequence's K/V, read in place from the pool."""
+    t, n_heads, hd = q.shape
+    n_kv = k_cache.shape[2]
+    if not kernel_supports(hd, n_heads, n_kv):
+        if meta.fallback is None:
+            meta.fallback = prepare_reference(meta.batch)
+        return reference_paged_attention(q, k_cache, v_cache, meta.fallback)
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q is {q.dtype} but the pool is {k_cache.dtype}/{v_cache.dtype}")
+    part = partition_size(t, n_kv, meta.max_len)
+    num_parts = math.ceil(meta.max_len / part)
+    partition, reduce = _kernels(platform)
+    part_acc, part_max, part_sum = partition(
+        inputs=[q, k_cache, v_cache, meta.block_tables, meta.row_seq, meta.row_len],
+        template=[
+            ("T", q.dtype),
+            ("HEAD_DIM", hd),
+            ("GROUP", n_heads // n_kv),
+            ("N_KV", n_kv),
+            ("BLOCK_SIZE", meta.block_size),
+            ("PART", part),
+        ],
+        grid=(t * THREADS, n_kv, num_parts),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(t, n_heads, num_parts, hd), (t, n_heads, num_parts), (t, n_heads, num_parts)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    (out,) = reduce(
+        inputs=[part_acc, part_max, part_sum],
+        template=[("T", q.dtype), ("HEAD_DIM", hd)],
+        grid=(t * n_heads * hd, 1, 1),
+        threadgroup=(hd, 1, 1),
+        output_shapes=[(t, n_heads, hd)],
+        output_dtypes=[q.dtype],
+    )
+    return out
+
+
+def kernel_supports(head_dim: int, n_heads: int, n_kv: int) -> bool:
+    """Whether the kernels' thread layout fits this attention shape."""
+    return head_dim in SUPPORTED_HEAD_DIMS and n_heads % n_kv == 0

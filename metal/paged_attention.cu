@@ -1,0 +1,145 @@
+// Paged attention, pass 1 of 2 (CUDA body for mx.fast.cuda_kernel; twin of paged_attention.metal).
+//
+// One thread block per (query row, KV head, partition of the row's visible context). The row
+// attends to tokens [0, row_len) of its sequence, read from the pool through its block table;
+// a decode row sees its whole context, a prefill row sees the tokens up to its own position.
+// The block's 4 warps walk the partition's tokens: a warp holds SLOTS tokens at a time, each in
+// a group of LANES lanes that own VEC elements of the head dimension apiece. Every lane group
+// keeps an online softmax (running max, running sum, unnormalised output) for all GROUP query
+// heads that share the KV head, so each K/V row is read once for the whole group. The states
+// are merged within the warp by shuffles, then across warps in shared memory, and the
+// partition's (max, sum, output) goes to pass 2, which merges the partitions.
+//
+// Template constants: T (element type of q and the pool), HEAD_DIM, GROUP (query heads per KV
+// head), N_KV (KV heads), BLOCK_SIZE (tokens per pool block), PART (tokens per partition).
+
+constexpr int WARPS = 4;
+constexpr int VEC = 8;
+constexpr int LANES = HEAD_DIM / VEC;
+constexpr int SLOTS = 32 / LANES;
+constexpr float MASKED = -1e30f;
+constexpr unsigned FULL = 0xffffffffu;
+struct alignas(16) Chunk {
+  T v[VEC];
+};
+
+const int row = blockIdx.x;
+const int kv_head = blockIdx.y;
+const int part = blockIdx.z;
+const int num_parts = gridDim.z;
+const int warp = threadIdx.x / 32;
+const int lane = threadIdx.x % 32;
+const int slot = lane / LANES;
+const int dim0 = (lane % LANES) * VEC;
+
+const int len = row_len[row];
+const int begin = part * PART;
+const int end = min(begin + PART, len);
+const int* table = block_tables + (size_t)row_seq[row] * block_tables_shape[1];
+const float scale = rsqrtf((float)HEAD_DIM);
+
+float qf[GROUP][VEC];
+float acc[GROUP][VEC];
+float m[GROUP];
+float l[GROUP];
+for (int g = 0; g < GROUP; ++g) {
+  const Chunk qv = *reinterpret_cast<const Chunk*>(
+      q + ((size_t)row * N_KV * GROUP + kv_head * GROUP + g) * HEAD_DIM + dim0);
+  for (int e = 0; e < VEC; ++e) {
+    qf[g][e] = static_cast<float>(qv.v[e]) * scale;
+    acc[g][e] = 0.0f;
+  }
+  m[g] = MASKED;
+  l[g] = 0.0f;
+}
+
+// The loop bound is the same for the whole warp, so every lane reaches every shuffle.
+for (int t0 = begin + warp * SLOTS; t0 < end; t0 += WARPS * SLOTS) {
+  const int t = t0 + slot;
+  const bool valid = t < end;
+  size_t base = 0;
+  Chunk kc = {};
+  if (valid) {
+    base = (((size_t)table[t / BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE) * N_KV + kv_head) * HEAD_DIM + dim0;
+    kc = *reinterpret_cast<const Chunk*>(k_cache + base);
+  }
+  float s[GROUP];
+  for (int g = 0; g < GROUP; ++g) {
+    float dot = 0.0f;
+    for (int e = 0; e < VEC; ++e) {
+      dot += qf[g][e] * static_cast<float>(kc.v[e]);
+    }
+    for (int o = LANES / 2; o > 0; o /= 2) {
+      dot += __shfl_xor_sync(FULL, dot, o);
+    }
+    s[g] = dot;
+  }
+  if (valid) {
+    const Chunk vc = *reinterpret_cast<const Chunk*>(v_cache + base);
+    for (int g = 0; g < GROUP; ++g) {
+      const float m_new = fmaxf(m[g], s[g]);
+      const float keep = expf(m[g] - m_new);
+      const float p = expf(s[g] - m_new);
+      l[g] = l[g] * keep + p;
+      for (int e = 0; e < VEC; ++e) {
+        acc[g][e] = acc[g][e] * keep + p * static_cast<float>(vc.v[e]);
+      }
+      m[g] = m_new;
+    }
+  }
+}
+
+// Merge the warp's lane groups: lanes that own the same dimensions, SLOTS apart.
+for (int o = LANES; o < 32; o *= 2) {
+  for (int g = 0; g < GROUP; ++g) {
+    const float m_other = __shfl_xor_sync(FULL, m[g], o);
+    const float l_other = __shfl_xor_sync(FULL, l[g], o);
+    const float m_new = fmaxf(m[g], m_other);
+    const float keep = expf(m[g] - m_new);
+    const float take = expf(m_other - m_new);
+    l[g] = l[g] * keep + l_other * take;
+    for (int e = 0; e < VEC; ++e) {
+      const float a_other = __shfl_xor_sync(FULL, acc[g][e], o);
+      acc[g][e] = acc[g][e] * keep + a_other * take;
+    }
+    m[g] = m_new;
+  }
+}
+
+__shared__ float warp_max[WARPS][GROUP];
+__shared__ float warp_sum[WARPS][GROUP];
+__shared__ float warp_acc[WARPS][GROUP][HEAD_DIM];
+if (slot == 0) {
+  for (int g = 0; g < GROUP; ++g) {
+    for (int e = 0; e < VEC; ++e) {
+      warp_acc[warp][g][dim0 + e] = acc[g][e];
+    }
+    if (lane == 0) {
+      warp_max[warp][g] = m[g];
+      warp_sum[warp][g] = l[g];
+    }
+  }
+}
+__syncthreads();
+
+for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += WARPS * 32) {
+  const int g = i / HEAD_DIM;
+  const int d = i % HEAD_DIM;
+  float mx_all = MASKED;
+  for (int w = 0; w < WARPS; ++w) {
+    mx_all = fmaxf(mx_all, warp_max[w][g]);
+  }
+  float sum = 0.0f;
+  float out = 0.0f;
+  for (int w = 0; w < WARPS; ++w) {
+    const float f = expf(warp_max[w][g] - mx_all);
+    sum += warp_sum[w][g] * f;
+    out += warp_acc[w][g][d] * f;
+  }
+  const size_t o = ((size_t)row * N_KV * GROUP + kv_head * GROUP + g) * num_parts + part;
+  part_acc[o * HEAD_DIM + d] = out;
+  if (d == 0) {
+    part_max[o] = mx_all;
+    part_sum[o] = sum;
+  }
+}

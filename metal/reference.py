@@ -1,0 +1,106 @@
+"""Paged attention over a ragged batch in plain MLX ops: the reference the custom kernels must match.
+
+K and V are gathered from the pool through the block tables into contiguous copies, then
+attended with ordinary matmuls and a softmax. Decode rows (one query token per sequence) are
+done together as one batch; each prefill chunk is done on its own with a causal mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from edgeserve.batch import Batch
+
+# Large enough to zero a probability, small enough to stay finite in float32.
+MASKED = -1e30
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of the chunk in the batch
+    length: int  # rows (query tokens) in the chunk
+    blocks: mx.array  # [blocks] the sequence's pool blocks covering its context
+    context_len: int
+    mask: mx.array  # additive float32 [length, context_len], causal within the chunk
+
+
+@dataclass
+class ReferenceMeta:
+    """Per-step arrays of the reference path, computed once and shared by every layer."""
+
+    decode_rows: mx.array  # [D] rows that are a sequence's single decode token
+    decode_blocks: mx.array  # [D, max_blocks]
+    decode_mask: mx.array  # additive float32 [D, 1, 1, max_blocks * block_size]
+    num_decode: int
+    prefills: list[PrefillChunk]
+    row_order: mx.array  # [T] where each batch row sits in the concatenated outputs
+
+
+def prepare_reference(batch: Batch) -> ReferenceMeta:
+    """The block lists, masks and row order the reference needs for this batch."""
+    bs = batch.block_size
+    qlens = batch.query_lens
+    starts = batch.query_start[:-1]
+    dec = np.flatnonzero(qlens == 1)
+    ctx = batch.context_lens[dec]
+    max_blocks = int(-(-ctx.max() // bs)) if len(dec) else 0
+    span = np.arange(max_blocks * bs)
+    decode_mask = np.where(span[None, :] < ctx[:, None], 0.0, MASKED).astype(np.float32)
+    prefills = []
+    order = [starts[dec]]
+    for s in np.flatnonzero(qlens > 1):
+        n, c, start = int(qlens[s]), int(batch.context_lens[s]), int(starts[s])
+        first = c - n  # position of the chunk's first row
+        causal = np.arange(c)[None, :] > (first + np.arange(n))[:, None]
+        prefills.append(
+            PrefillChunk(
+                start=start,
+                length=n,
+                blocks=mx.array(batch.block_tables[s, : -(-c // bs)].astype(np.int32)),
+                context_len=c,
+                mask=mx.array(np.where(causal, MASKED, 0.0).astype(np.float32)),
+            )
+        )
+        order.append(np.arange(start, start + n))
+    concatenated_rows = np.concatenate(order)
+    return ReferenceMeta(
+        decode_rows=mx.array(starts[dec].astype(np.int32)),
+        decode_blocks=mx.array(batch.block_tables[dec, :max_blocks].astype(np.int32)),
+        decode_mask=mx.array(decode_mask[:, None, None, :]),
+        num_decode=len(dec),
+        prefills=prefills,
+        row_order=mx.array(np.argsort(concatenated_rows).astype(np.int32)),
+    )
+
+
+def reference_paged_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: ReferenceMeta) -> mx.array:
+    """Attention of each row [T, n_heads, head_dim] over its sequence's K/V, read through the block tables."""
+    t, n_heads, hd = q.shape
+    n_kv = k_cache.shape[2]
+    group = n_heads // n_kv
+    scale = 1.0 / math.sqrt(hd)
+    outputs = []
+    if meta.num_decode:
+        d = meta.num_decode
+        k = k_cache[meta.decode_blocks].reshape(d, -1, n_kv, hd).transpose(0, 2, 3, 1)  # [D, kv, hd, L]
+        v = v_cache[meta.decode_blocks].reshape(d, -1, n_kv, hd).transpose(0, 2, 1, 3)  # [D, kv, L, hd]
+        qd = q[meta.decode_rows].reshape(d, n_kv, group, hd) * scale
+        outputs.append(_softmax_av(qd @ k + meta.decode_mask, v).reshape(d, n_heads, hd))
+    for chunk in meta.prefills:
+        c, n = chunk.context_len, chunk.length
+        k = k_cache[chunk.blocks].reshape(-1, n_kv, hd)[:c].transpose(1, 2, 0)  # [kv, hd, c]
+        v = v_cache[chunk.blocks].reshape(-1, n_kv, hd)[:c].transpose(1, 0, 2)  # [kv, c, hd]
+        qc = (q[chunk.start : chunk.start + n] * scale).reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3)
+        o = _softmax_av(qc @ k[:, None] + chunk.mask, v[:, None])  # [kv, g, n, hd]
+        outputs.append(o.transpose(2, 0, 1, 3).reshape(n, n_heads, hd))
+    return mx.concatenate(outputs, axis=0)[meta.row_order]
+
+
+def _softmax_av(scores: mx.array, v: mx.array) -> mx.array:
+    """softmax(scores) @ v, the softmax in float32 and the product in V's dtype."""
+    probs = mx.softmax(scores.astype(mx.float32), axis=-1, precise=True)
+    return probs.astype(v.dtype) @ v

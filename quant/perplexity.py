@@ -1,0 +1,84 @@
+"""Perplexity of a model on a text, over sliding windows.
+
+Windows of `ctx` tokens advance by `stride` (half a window by default); each scores only the
+tokens the previous windows did not, so every token past the first window is predicted from
+at least ctx - stride tokens of context (the Hugging Face recipe).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from edgeserve.errors import EdgeserveError
+from edgeserve.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    perplexity: float
+    mean_nll: float  # nats per scored token
+    tokens: int  # tokens scored
+    windows: int
+    ctx: int
+    stride: int
+
+    def describe(self) -> str:
+        return (f"perplexity {self.perplexity:.4f} over {self.tokens} tokens "
+                f"({self.windows} windows, ctx {self.ctx}, stride {self.stride})")
+
+
+def windows(n_tokens: int, ctx: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored position) of each window over n_tokens tokens."""
+    spans = []
+    scored_to = 1  # the first token has nothing to be predicted from
+    for begin in range(0, n_tokens - 1, stride):
+        end = min(begin + ctx, n_tokens)
+        first = max(scored_to, begin + 1)
+        if first < end:
+            spans.append((begin, end, first))
+        scored_to = end
+        if end == n_tokens:
+            break
+    return spans
+
+
+def perplexity(
+    engine: LLMEngine, ids: list[int], ctx: int = 512, stride: int | None = None, progress: bool = True
+) -> PerplexityResult:
+    """Perplexity of the token ids under the engine's model.
+
+    Uses `engine.prompt_logits`, so no requests may be running on the engine meanwhile.
+    """
+    stride = stride or max(1, ctx // 2)
+    if ctx < 2:
+        raise EdgeserveError(f"perplexity needs a window of at least 2 tokens, got --ctx {ctx}")
+    if not 0 < stride <= ctx:
+        raise EdgeserveError(f"the stride must be between 1 and the window ({ctx}), got {stride}")
+    if len(ids) < 2:
+        raise EdgeserveError("the text must be at least 2 tokens long to measure perplexity")
+    spans = windows(len(ids), ctx, stride)
+    nll_sum, count = 0.0, 0
+    with tqdm(spans, unit="window", desc="perplexity", disable=not progress) as bar:
+        for begin, end, first in bar:
+            logits = engine.prompt_logits(ids[begin:end]).astype(np.float64)
+            # The row of position p predicts the token at p + 1.
+            rows = logits[first - 1 - begin : end - 1 - begin]
+            targets = np.asarray(ids[first:end])
+            top = rows.max(axis=-1)
+            log_z = top + np.log(np.exp(rows - top[:, None]).sum(axis=-1))
+            nll_sum += float((log_z - rows[np.arange(len(targets)), targets]).sum())
+            count += len(targets)
+            bar.set_postfix(ppl=f"{math.exp(nll_sum / count):.3f}")
+    mean = nll_sum / count
+    return PerplexityResult(math.exp(mean), mean, count, len(spans), ctx, stride)
+
+
+def text_perplexity(
+    engine: LLMEngine, text: str, ctx: int = 512, stride: int | None = None, progress: bool = True
+) -> PerplexityResult:
+    """Perplexity of a text, tokenized the way the model tokenizes a raw prompt."""
+    return perplexity(engine, engine.tokenizer.encode(text), ctx, stride, progress)

@@ -1,0 +1,217 @@
+"""`edgeserve chat`: the conversation logic on its own, then the real REPL driven through a pseudo-terminal."""
+
+import json
+import os
+import re
+import sys
+
+import pexpect
+import pytest
+
+from edgeserve.conversation import Conversation, ConversationFileError, UnknownCommandError
+from edgeserve.errors import PromptTooLongError
+from edgeserve.sampling_params import InvalidParamsError
+
+# conversation logic -------------------------------------------------------------
+
+
+def words(messages: list[dict]) -> int:
+    """A stand-in tokenizer: one token per word."""
+    return sum(len(m["content"].split()) for m in messages)
+
+
+def test_trim_drops_whole_oldest_exchanges_and_keeps_the_system_prompt():
+    conv = Conversation(system="be brief")
+    for i in range(3):
+        conv.add("user", f"question {i} " + "x " * 8)
+        conv.add("assistant", f"answer {i} " + "y " * 8)
+    conv.add("user", "last question")
+
+    dropped = conv.trim(words, budget=30)
+
+    assert dropped == 4  # two exchanges of two messages
+    assert conv.messages()[0] == {"role": "system", "content": "be brief"}
+    assert [m["content"].split()[:2] for m in conv.turns] == [["question", "2"], ["answer", "2"], ["last", "question"]]
+    assert words(conv.messages()) <= 30
+    assert conv.trim(words, budget=30) == 0
+
+
+def test_trim_refuses_a_message_that_cannot_fit_alone():
+    conv = Conversation()
+    conv.add("user", "a " * 50)
+    with pytest.raises(PromptTooLongError, match="50 tokens"):
+        conv.trim(words, budget=20)
+    assert conv.pop_user().split() == ["a"] * 50
+
+
+def test_commands_change_the_conversation(tmp_path):
+    conv = Conversation(settings={"temperature": 0.5})
+    conv.add("user", "hi")
+    conv.add("assistant", "hello")
+
+    assert conv.command("/system Be brief.").message == "system prompt set"
+    assert conv.command("/set top_k 40").message == "top_k = 40"
+    assert conv.sampling_params().top_k == 40
+    assert [conv.command(c).action for c in ("/help", "/stats", "/exit")] == ["help", "stats", "exit"]
+    path = tmp_path / "conv.json"
+    conv.command(f"/save {path}")
+    assert conv.command("/reset").message == "conversation cleared"
+    assert conv.turns == [] and conv.system == "Be brief."
+
+    conv.command(f"/load {path}")
+
+    assert conv.messages() == [{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert conv.settings == {"temperature": 0.5, "top_k": 40}
+
+
+@pytest.mark.parametrize("line, error, match", [
+    ("/frobnicate", UnknownCommandError, "unknown command /frobnicate"),
+    ("/set temperature hot", UnknownCommandError, "temperature must be a number"),
+    ("/set temperature 5", InvalidParamsError, "temperature must be between 0 and 2"),
+    ("/set warmth 1", UnknownCommandError, "unknown setting 'warmth'"),
+    ("/save", UnknownCommandError, "usage: /save FILE"),
+])
+def test_bad_commands_say_what_is_wrong_and_change_nothing(line, error, match):
+    conv = Conversation(settings={"temperature": 0.5})
+    with pytest.raises(error, match=match):
+        conv.command(line)
+    assert conv.settings == {"temperature": 0.5}
+
+
+@pytest.mark.parametrize("content, match", [
+    ("{not json", "is not JSON"),
+    ('{"messages": 3}', "holds no list of messages"),
+    ('[{"role": "wizard", "content": "hi"}]', "message 0 must be an object with a role"),
+    ('{"messages": [], "settings": {"temperature": 9}}', "temperature must be between 0 and 2"),
+])
+def test_loading_a_bad_file_says_why(tmp_path, content, match):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ConversationFileError, match=match):
+        Conversation.load(path)
+    with pytest.raises(ConversationFileError, match="cannot read"):
+        Conversation.load(tmp_path / "missing.json")
+
+
+# the REPL in a pseudo-terminal -----------------------------------------------------
+
+PROMPT = ">>>"
+TIMEOUT = 180  # seconds for one answer on a slow, shared CPU
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# prompt_toolkit switches bracketed paste off as it hands the accepted line over: the answer follows
+LINE_ACCEPTED = "\x1b[?2004l"
+STATS_LINE = r"(\d+) tokens · TTFT \d+ ms · [\d.]+ tokens/s · prompt (\d+) \((\d+) cached\)"
+CONTEXT = 320
+
+
+@pytest.fixture(scope="module")
+def chat(model_path, tmp_path_factory):
+    env = {**os.environ, "EDGESERVE_HOME": str(tmp_path_factory.mktemp("home")),
+           "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
+    child = pexpect.spawn(
+        sys.executable,
+        ["-c", "from edgeserve.cli.main import cli; cli()", "chat", "--model", str(model_path),
+         "--backend", "numpy", "--kv-memory", "64MiB", "--temperature", "0", "--max-tokens", "16",
+         "--context", str(CONTEXT)],
+        env=env, encoding="utf-8", timeout=TIMEOUT, dimensions=(50, 250))
+    child.expect_exact(PROMPT)
+    yield child
+    child.sendeof()  # Ctrl-D leaves
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0, child.before
+
+
+def command(chat, line: str, reply: str) -> str:
+    """Send a line, wait for reply and then the prompt; return all it printed."""
+    chat.sendline(line)
+    chat.expect_exact(reply)
+    output = chat.before + reply
+    chat.expect_exact(PROMPT)
+    return ANSI.sub("", output + chat.before)
+
+
+def ask(chat, text: str) -> tuple[str, dict]:
+    """Send a message; return the answer and the figures of its stats line."""
+    chat.sendline(text)
+    chat.expect(STATS_LINE)
+    answer = ANSI.sub("", chat.before.split(LINE_ACCEPTED)[-1]).strip()
+    figures = dict(zip(("tokens", "prompt", "cached"), map(int, chat.match.groups())))
+    chat.expect_exact(PROMPT)
+    return answer, figures
+
+
+def start_afresh(chat) -> None:
+    command(chat, "/reset", "conversation cleared")
+    command(chat, "/set max_tokens 16", "max_tokens = 16")
+
+
+def test_second_turn_sees_the_first_and_reset_forgets(chat):
+    start_afresh(chat)
+    ask(chat, "The secret word is banana.")
+
+    answer, figures = ask(chat, "What is the secret word?")
+
+    assert "banana" in answer.lower()
+    assert figures["cached"] >= 16  # the first turn's blocks came from the prefix cache
+    command(chat, "/reset", "conversation cleared")
+    answer, figures = ask(chat, "What is the secret word?")
+    assert "banana" not in answer.lower()
+
+
+def test_save_then_load_restores_the_conversation(chat, tmp_path):
+    start_afresh(chat)
+    chat.sendline("The secret word is banana.\\")  # a trailing backslash continues the message
+    chat.expect_exact("...")
+    ask(chat, "Remember it.")
+    path = tmp_path / "conversation.json"
+
+    command(chat, f"/save {path}", "saved 2 messages")
+    command(chat, "/reset", "conversation cleared")
+    command(chat, f"/load {path}", "loaded 2 messages")
+    answer, _ = ask(chat, "What is the secret word?")
+
+    saved = json.loads(path.read_text())["messages"]
+    assert [m["role"] for m in saved] == ["user", "assistant"]
+    assert saved[0]["content"] == "The secret word is banana.\nRemember it."
+    assert "banana" in answer.lower()
+    output = command(chat, f"/load {tmp_path / 'missing.json'}", "error: cannot read")
+    assert "Traceback" not in output
+
+
+def test_ctrl_c_stops_the_answer_and_frees_its_blocks(chat):
+    start_afresh(chat)
+    command(chat, "/set max_tokens 250", "max_tokens = 250")
+    chat.sendline("Write a long story about a dragon.")
+    chat.expect_exact(LINE_ACCEPTED)
+    chat.expect(r"\w{4}")  # the answer has begun
+
+    chat.sendcontrol("c")
+    chat.expect_exact("[interrupted]")
+    chat.expect_exact(PROMPT)
+
+    assert not re.search(STATS_LINE, chat.before)
+    stats = command(chat, "/stats", "memory:")
+    assert re.search(r"conversation: 2 messages", stats)  # the answer stays as far as it got
+    assert re.search(r"KV pool: \d+ blocks of 16 tokens: 0 used, 0 shared", stats)
+
+
+def test_a_conversation_that_outgrows_the_context_loses_its_oldest_turns(chat):
+    start_afresh(chat)
+    command(chat, "/set max_tokens 4", "max_tokens = 4")
+    filler = "Here are some words to remember: " + " ".join(["apple", "river", "stone", "cloud"] * 24)
+    ask(chat, filler)
+    ask(chat, filler)
+
+    chat.sendline(filler)
+    chat.expect(r"dropped the (\d+) oldest messages")
+    dropped = int(chat.match.group(1))
+    chat.expect(STATS_LINE)
+    prompt_tokens = int(chat.match.group(2))
+    chat.expect_exact(PROMPT)
+
+    assert dropped >= 2
+    assert prompt_tokens <= CONTEXT
+    output = command(chat, " ".join(["word"] * 400), "error: the message takes")
+    assert "Traceback" not in output

@@ -1,0 +1,293 @@
+"""`edgeserve convert` on the real model: GGUF to 8- and 4-bit MLX folders that edgeserve (both
+backends) and mlx-lm load, a float16 folder to 4 bits, perplexity, the NumPy weights modes, and
+bad input that must leave nothing behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from safetensors.numpy import save_file
+
+from edgeserve import llm_engine
+from edgeserve.backends.numpy_backend import DequantizingLinear, NumpyBackend, resident_weight_bytes
+from edgeserve.cli.main import cli
+from edgeserve.llm_engine import LLMEngine
+from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, sha256_of
+from edgeserve.models.llama import ModelArgs, rope_inv_freq
+from edgeserve.models.loader import LoadedModel, load_folder
+from edgeserve.quant.affine import QuantizedTensor, quantize
+from edgeserve.quant.convert import convert
+from edgeserve.quant.perplexity import perplexity, windows
+from edgeserve.quant.report import SHIPPED_TEXT, layer_error_table
+from edgeserve.sampling_params import SamplingParams
+
+PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+SHORT_PROMPT = "The capital of France is"  # for MLX on the CPU, which runs about a token a second
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+LOGITS_TOLERANCE = 0.1
+
+
+@pytest.fixture(scope="module")
+def folders(loaded_model, model_path, tmp_path_factory) -> dict[int, Path]:
+    """The default GGUF converted to 8 and 4 bits (mixed: 8-bit embeddings by default)."""
+    root = tmp_path_factory.mktemp("converted")
+    out = {bits: convert(loaded_model, root / f"int{bits}", bits=bits, progress=False).out for bits in (8, 4)}
+    assert sha256_of(model_path) == CATALOG[DEFAULT_MODEL].sha256  # the source is untouched
+    return out
+
+
+@pytest.fixture(scope="module")
+def source_engine(loaded_model) -> LLMEngine:
+    return LLMEngine(loaded_model, backend="numpy", kv_memory="64MiB")
+
+
+@pytest.fixture(scope="module")
+def folder_engines(folders) -> dict[int, LLMEngine]:
+    return {bits: LLMEngine(load_folder(folder), backend="numpy", kv_memory="64MiB") for bits, folder in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(source_engine) -> list[int]:
+    return source_engine.chat_prompt_ids(PROMPT)
+
+
+@pytest.fixture(scope="module")
+def short_ids(source_engine) -> list[int]:
+    return source_engine.tokenizer.encode(SHORT_PROMPT)
+
+
+def _greedy(engine: LLMEngine, ids: list[int]) -> list[int]:
+    engine.add_request(ids, GREEDY, "greedy")
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.token_ids
+    return tokens
+
+
+def test_gguf_becomes_mlx_folders(folders):
+    for bits, folder in folders.items():
+        names = {p.name for p in folder.iterdir()}
+        assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+        config = json.loads((folder / "config.json").read_text())
+        assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+        # Q4_1 layers and the Q8_0 embedding carry over at their GGUF group size of 32.
+        assert config["quantization"] == {
+            "group_size": 32, "bits": bits, "mode": "affine",
+            **({"model.embed_tokens": {"group_size": 32, "bits": 8}} if bits == 4 else {}),
+        }
+        assert "<|im_start|>" in json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
+        loaded = load_folder(folder)
+        assert loaded.format == "mlx"
+        assert {w.bits for w in loaded.weights.values() if isinstance(w, QuantizedTensor)} == {8, bits}
+    assert not [p for p in folders[8].parent.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_converted_logits_and_greedy_text_match_the_source(folder_engines, source_engine, prompt_ids, bits):
+    engine = folder_engines[bits]
+    diff = np.abs(engine.prompt_logits(prompt_ids) - source_engine.prompt_logits(prompt_ids)).max()
+    assert diff <= LOGITS_TOLERANCE
+    assert _greedy(engine, prompt_ids) == _greedy(source_engine, prompt_ids)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_converted_folders_run_on_the_mlx_backend(folders, source_engine, short_ids, bits):
+    pytest.importorskip("mlx.core", reason="MLX is not installed: MLX backend not tested")
+    engine = LLMEngine(load_folder(folders[bits]), backend="mlx", kv_memory="64MiB")
+    last = engine.prompt_logits(short_ids)[-1]
+    assert np.abs(last - source_engine.prompt_logits(short_ids)[-1]).max() <= LOGITS_TOLERANCE
+    tokens = _greedy(engine, short_ids)
+    assert len(tokens) == GREEDY.max_tokens and tokens[0] == int(np.argmax(last))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_mlx_lm_loads_the_folder_and_agrees(folders, folder_engines, short_ids, bits):
+    mx = pytest.importorskip("mlx.core", reason="MLX is not installed: mlx-lm not tested")
+    mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (a test extra)")
+    model, tokenizer = mlx_lm.load(str(folders[bits]))
+    assert tokenizer.encode(SHORT_PROMPT) == short_ids
+    model.set_dtype(mx.float32)  # compute as edgeserve does on the CPU (float16 scales widen exactly)
+    theirs = np.array(model(mx.array([short_ids]))[0, -1])
+    ours = folder_engines[bits].prompt_logits(short_ids)[-1]
+    assert np.abs(theirs - ours).max() <= LOGITS_TOLERANCE
+
+
+def _write_float16_folder(model: LoadedModel, folder: Path) -> None:
+    """A Hugging Face style float16 safetensors folder of the model."""
+    folder.mkdir()
+    weights = {
+        name: (w.dequantize(np.float16) if isinstance(w, QuantizedTensor) else np.asarray(w, dtype=np.float16))
+        for name, w in model.weights.items()
+    }
+    save_file(weights, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(model.args.to_config()))
+    model.tokenizer.save_pretrained(folder)
+
+
+def test_float16_folder_converts_to_4_bits_in_shards(loaded_model, tmp_path, prompt_ids):
+    _write_float16_folder(loaded_model, tmp_path / "f16")
+    f16 = load_folder(tmp_path / "f16")
+    result = convert(f16, tmp_path / "int4", bits=4, progress=False, max_shard_bytes=40 * 10**6)
+    shards = sorted(p.name for p in result.out.glob("*.safetensors"))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((result.out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+
+    back = load_folder(result.out)
+    name = "model.layers.3.mlp.down_proj.weight"
+    want = quantize(np.asarray(f16.weights[name]), 64, 4)  # float16 sources: mlx-lm's group size 64
+    got = back.weights[name]
+    assert (got.bits, got.group_size) == (4, 64) and back.weights["model.embed_tokens.weight"].bits == 8
+    assert all(np.array_equal(a, b) for a, b in zip((got.weight, got.scales, got.biases), (want.weight, want.scales, want.biases)))
+    engine = LLMEngine(back, backend="numpy", kv_memory="64MiB")
+    assert len(_greedy(engine, prompt_ids)) == GREEDY.max_tokens
+
+
+def test_perplexity_of_the_converted_models(folder_engines, source_engine):
+    ids = source_engine.tokenizer.encode(SHIPPED_TEXT.read_text(encoding="utf-8"))[:384]
+    source = perplexity(source_engine, ids, ctx=128, progress=False)
+    assert source.tokens == len(ids) - 1 and 1 < source.perplexity < 100
+    for bits, limit in ((8, 0.01), (4, 0.10)):
+        result = perplexity(folder_engines[bits], ids, ctx=128, progress=False)
+        assert abs(result.perplexity / source.perplexity - 1) <= limit, (bits, result, source)
+
+
+def test_sliding_windows_score_every_token_once():
+    spans = windows(1000, ctx=256, stride=128)
+    scored = [t for _, end, first in spans for t in range(first, end)]
+    assert scored == list(range(1, 1000))
+    assert all(end - begin <= 256 for begin, end, _ in spans)
+    assert all(first - begin >= 128 for begin, _, first in spans[1:])  # context of at least ctx - stride
+
+
+def test_quantized_weights_mode_matches_float32(loaded_model, source_engine, prompt_ids, monkeypatch):
+    monkeypatch.setattr(llm_engine, "get_backend", lambda name, **kw: NumpyBackend(weights="quantized"))
+    engine = LLMEngine(loaded_model, backend="numpy", kv_memory="64MiB")
+    qkv = engine.runner.model.layers[0]["qkv"]
+    assert isinstance(qkv, DequantizingLinear)  # the model's own storage, no float32 copy
+    assert qkv.parts[2] is loaded_model.weights["model.layers.0.self_attn.v_proj.weight"]
+    assert np.abs(engine.prompt_logits(prompt_ids) - source_engine.prompt_logits(prompt_ids)).max() < 1e-3
+    float32, quantized = (resident_weight_bytes(loaded_model, mode) for mode in ("float32", "quantized"))
+    assert float32 == 4 * loaded_model.num_parameters and quantized < float32 / 4
+
+
+def test_report_lays_out_errors_per_layer():
+    errors = {f"model.layers.{i}.self_attn.{k}_proj.weight": 0.01 * (i + 1) for i in range(2) for k in "qkvo"}
+    errors["model.embed_tokens.weight"] = 0.5
+    table = layer_error_table(errors)
+    assert "    1    2.00%   2.00%   2.00%   2.00%       -       -       -   2.00%" in table
+    assert "model.embed_tokens: 50.00%" in table and "max 50.00% (model.embed_tokens)" in table
+
+
+def test_llama3_rope_scaling_is_recovered_from_gguf_factors():
+    base = dict(hidden_size=2048, num_hidden_layers=1, intermediate_size=8, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=8, rope_theta=500000.0)
+    llama3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    divisors = rope_inv_freq(ModelArgs(**base)) / rope_inv_freq(ModelArgs(**base, rope_scaling=llama3))
+    from_gguf = ModelArgs(**base, rope_scaling={"rope_type": "factors", "factors": divisors.astype(np.float32).tolist()})
+    assert from_gguf.to_config()["rope_scaling"] == llama3
+
+
+# Bad input ----------------------------------------------------------------------------------
+
+
+def _tiny_gguf(path: Path, arch: str = "llama", qtype: gguf.GGMLQuantizationType | None = None) -> Path:
+    w = gguf.GGUFWriter(path, arch)
+    for add in (w.add_block_count, w.add_head_count):
+        add(1)
+    w.add_embedding_length(256)
+    w.add_feed_forward_length(256)
+    if qtype is None:
+        w.add_tensor("token_embd.weight", np.zeros((4, 256), np.float32))
+    else:
+        w.add_tensor("token_embd.weight", np.zeros((2, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _folder_without_tokenizer(path: Path) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 0,
+                                                  "intermediate_size": 64, "num_attention_heads": 1, "vocab_size": 8}))
+    save_file({"model.embed_tokens.weight": np.zeros((8, 64), np.float16),
+               "model.norm.weight": np.ones(64, np.float16)}, str(path / "model.safetensors"))
+    return path
+
+
+def _convert_cli(*args: str):
+    return CliRunner().invoke(cli, ["convert", *args])
+
+
+def _assert_failed_cleanly(result, message: str, folder: Path, before: set[str]) -> None:
+    assert result.exit_code != 0, result.output
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert {p.name for p in folder.iterdir()} == before  # no OUT, no temporary folder
+
+
+@pytest.mark.parametrize("kind", ["architecture", "tensor type", "tokenizer"])
+def test_bad_sources_leave_nothing_behind(tmp_path, kind):
+    source, message = {
+        "architecture": (lambda: _tiny_gguf(tmp_path / "m.gguf", arch="gpt2"), "unsupported architecture 'gpt2'"),
+        "tensor type": (lambda: _tiny_gguf(tmp_path / "m.gguf", qtype=gguf.GGMLQuantizationType.Q8_K),
+                        "unsupported tensor type Q8_K"),
+        "tokenizer": (lambda: _folder_without_tokenizer(tmp_path / "m"), "no tokenizer.json or tokenizer.model"),
+    }[kind]
+    src = source()
+    before = {p.name for p in tmp_path.iterdir()}
+    _assert_failed_cleanly(_convert_cli(str(src), "-o", str(tmp_path / "out")), message, tmp_path, before)
+
+
+def test_existing_output_needs_force(model_path, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    before = {p.name for p in tmp_path.iterdir()}
+    result = _convert_cli(str(model_path), "-o", str(tmp_path / "out"))
+    _assert_failed_cleanly(result, "already exists (use --force to replace it)", tmp_path, before)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+@pytest.fixture
+def cli_source(loaded_model, monkeypatch) -> LoadedModel:
+    """The CLI's source loader answers with the already loaded model, whatever the name."""
+    monkeypatch.setattr("edgeserve.cli.convert_cmd.load_model", lambda name: loaded_model)
+    return loaded_model
+
+
+def test_no_disk_space_leaves_nothing_behind(cli_source, tmp_path, monkeypatch):
+    monkeypatch.setattr("edgeserve.quant.convert.shutil.disk_usage", lambda path: SimpleNamespace(free=10**6))
+    result = _convert_cli("any", "-o", str(tmp_path / "out"))
+    _assert_failed_cleanly(result, "not enough disk space", tmp_path, set())
+
+
+def test_ctrl_c_while_writing_leaves_nothing_behind(cli_source, tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("edgeserve.quant.convert.save_file", interrupted)
+    result = _convert_cli("any", "-o", str(tmp_path / "new" / "out"))
+    assert result.exit_code == 130
+    assert list(tmp_path.iterdir()) == []  # neither OUT, its temporary folder, nor the parent made for it
+
+
+def test_output_may_not_hold_the_source(cli_source):
+    result = _convert_cli("any", "-o", str(cli_source.source.parent), "--force")
+    assert result.exit_code == 1 and "holds the source model" in result.stderr
+    assert cli_source.source.is_file()
+
+
+def test_group_size_must_divide_the_columns(cli_source, tmp_path):
+    result = _convert_cli("any", "-o", str(tmp_path / "out"), "--group-size", "128")
+    _assert_failed_cleanly(result, "group size 128 does not divide the 576 columns", tmp_path, set())
+    assert "use --group-size 32 or 64" in result.stderr

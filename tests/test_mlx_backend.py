@@ -1,0 +1,98 @@
+"""The MLX backend against the NumPy backend on the real model: prompt logits, greedy output, and
+batch invariance (MLX on the CPU in CI, so generations stay short)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgeserve.llm_engine import LLMEngine
+from edgeserve.sampling_params import SamplingParams
+
+pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]'): MLX backend not tested")
+
+CASES = json.loads((Path(__file__).parent / "fixtures" / "smollm2_transformers_reference.json").read_text())["cases"]
+PROMPTS = [case["prompt_ids"] for case in CASES]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+# Max logit difference from the float32 NumPy backend, by the MLX backend's activation width
+# (float32 on the CPU, float16 on a GPU).
+LOGITS_TOLERANCE = {4: 0.1, 2: 0.3}
+NEAR_TIE = 0.1
+
+
+@pytest.fixture(scope="module")
+def numpy_engine(loaded_model) -> LLMEngine:
+    return LLMEngine(loaded_model, backend="numpy", kv_memory="64MiB")
+
+
+@pytest.fixture(scope="module")
+def mlx_engine(loaded_model) -> LLMEngine:
+    return LLMEngine(loaded_model, backend="mlx", kv_memory="64MiB")
+
+
+def generate(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int]]]]) -> dict[str, list[int]]:
+    """Greedy tokens per request; arrivals[k] are added before step k."""
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished() or any(k >= step for k in arrivals):
+        for rid, ids in arrivals.get(step, []):
+            engine.add_request(ids, GREEDY, rid)
+            tokens[rid] = []
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+        step += 1
+    return tokens
+
+
+def assert_same_up_to_near_tie(numpy_engine: LLMEngine, prompt: list[int], got: list[int], want: list[int]) -> None:
+    """Equal token lists, or lists that part only where NumPy's top two logits are within tolerance."""
+    if got == want:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    last = numpy_engine.prompt_logits(prompt + want[:i])[-1]
+    top_two = np.sort(last)[-2:]
+    assert top_two[1] - top_two[0] <= NEAR_TIE, f"outputs part at token {i} without a near-tie"
+    assert {got[i], want[i]} <= set(np.argsort(last)[-2:].tolist())
+
+
+@pytest.fixture(scope="module")
+def mlx_alone(mlx_engine) -> list[int]:
+    return generate(mlx_engine, {0: [("alone", PROMPTS[0])]})["alone"]
+
+
+def test_backend_attributes(mlx_engine):
+    assert mlx_engine.backend.name == "mlx"
+    assert mlx_engine.backend.kv_dtype_bytes in (2, 4)
+    assert mlx_engine.pool_size.bytes_per_token == 2 * 30 * 3 * 64 * mlx_engine.backend.kv_dtype_bytes
+
+
+def test_prompt_logits_match_numpy(numpy_engine, mlx_engine):
+    agree, total, worst = 0, 0, 0.0
+    for ids in PROMPTS:
+        want = numpy_engine.prompt_logits(ids)
+        got = mlx_engine.prompt_logits(ids)
+        assert got.shape == want.shape
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += len(ids)
+        worst = max(worst, float(np.abs(got - want).max()))
+    assert agree / total >= 0.99
+    assert worst <= LOGITS_TOLERANCE[mlx_engine.backend.kv_dtype_bytes]
+
+
+def test_greedy_generation_matches_numpy(numpy_engine, mlx_alone):
+    want = generate(numpy_engine, {0: [("np", PROMPTS[0])]})["np"]
+    assert len(mlx_alone) == GREEDY.max_tokens
+    assert_same_up_to_near_tie(numpy_engine, PROMPTS[0], mlx_alone, want)
+
+
+def test_batch_invariance(loaded_model, numpy_engine, mlx_alone):
+    """The same request alone and among others of different lengths, started at different times,
+    with a small token budget so that prefills are chunked beside running decodes."""
+    engine = LLMEngine(loaded_model, backend="mlx", kv_memory="64MiB", max_num_batched_tokens=24)
+    tokens = generate(engine, {0: [("b1", PROMPTS[1])], 1: [("target", PROMPTS[0])], 3: [("b2", PROMPTS[2])]})
+    assert_same_up_to_near_tie(numpy_engine, PROMPTS[0], tokens["target"], mlx_alone)
+    bm = engine.block_manager
+    assert bm.num_used == 0 and bm.num_free == bm.num_blocks

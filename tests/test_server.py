@@ -1,0 +1,411 @@
+"""The OpenAI-compatible server over real HTTP on loopback, with the real model and the official clients.
+
+One engine serves the whole module: the main server, and a small second one with an API key and
+a queue limit of 2, both on the same AsyncEngine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from click.testing import CliRunner
+
+from edgeserve.async_engine import AsyncEngine
+from edgeserve.bench import uniform_workload
+from edgeserve.bench_http import run_http_bench
+from edgeserve.cli.main import cli
+from edgeserve.cli.serve_cmd import served_model_name
+from edgeserve.llm_engine import LLMEngine
+from edgeserve.models.catalog import DEFAULT_MODEL
+from edgeserve.models.loader import load_model
+from edgeserve.server import create_app
+
+API_KEY = "test-key-123"
+IGNORE_EOS = {"ignore_eos": True}  # an extension (vLLM and llama.cpp have it too): fixed output lengths
+
+
+class _ServerThread:
+    """uvicorn serving `app` on a free loopback port, in a background thread."""
+
+    def __init__(self, app: object):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def engine(model_path) -> Iterator[AsyncEngine]:
+    aengine = AsyncEngine(LLMEngine(load_model(str(model_path)), backend="numpy", kv_memory="256MiB"))
+    yield aengine
+    aengine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_name(model_path) -> str:
+    return served_model_name(str(model_path))
+
+
+@pytest.fixture(scope="module")
+def url(engine: AsyncEngine, model_name: str) -> Iterator[str]:
+    server = _ServerThread(create_app(engine, model_name))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_url(engine: AsyncEngine, model_name: str) -> Iterator[str]:
+    server = _ServerThread(create_app(engine, model_name, api_key=API_KEY, max_queue=2))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def aclient(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def kv_counts(url: str) -> dict:
+    return httpx.get(url + "/v1/edgeserve/kv").json()["counts"]
+
+
+def metric(url: str, name: str) -> float:
+    """The value of one sample line of /metrics, e.g. 'edgeserve_kv_blocks{state="used"}'."""
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def no_blocks_in_use(url: str) -> bool:
+    return (metric(url, 'edgeserve_kv_blocks{state="used"}') == 0
+            and metric(url, "edgeserve_requests_running") == 0 and metric(url, "edgeserve_requests_waiting") == 0)
+
+
+# the API with the official client -------------------------------------------------
+
+
+def test_models_and_names(client: openai.OpenAI, model_name: str) -> None:
+    assert [m.id for m in client.models.list().data] == [model_name]
+    # The catalog name of the same file is accepted as well.
+    out = client.chat.completions.create(model=DEFAULT_MODEL, messages=chat("Hi"), max_tokens=2, temperature=0)
+    assert out.model == model_name and out.usage.completion_tokens >= 1
+
+
+def test_chat_usage_and_logprobs_match_the_tokenizer(client: openai.OpenAI, engine: AsyncEngine,
+                                                     model_name: str) -> None:
+    messages = chat("Name three colors.")
+    out = client.chat.completions.create(model=model_name, messages=messages, max_completion_tokens=10,
+                                         temperature=0, logprobs=True, top_logprobs=3, extra_body=IGNORE_EOS)
+    choice = out.choices[0]
+    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    assert out.usage.prompt_tokens == len(engine.engine.chat_prompt_ids(messages))
+    assert out.usage.completion_tokens == 10
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 10
+    assert len(engine.tokenizer.encode(choice.message.content, add_bos=False)) == 10
+    content = choice.logprobs.content
+    assert len(content) == 10
+    assert "".join(t.token for t in content) == choice.message.content
+    for tok in content:
+        tops = [t.logprob for t in tok.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and all(lp <= 0 for lp in tops)
+        assert tok.top_logprobs[0].token == tok.token and tok.logprob == pytest.approx(tops[0])  # greedy
+        assert bytes(tok.bytes).decode() == tok.token
+
+
+def test_chat_stream_equals_non_stream(client: openai.OpenAI, model_name: str) -> None:
+    kwargs = dict(model=model_name, messages=chat("What is the capital of France?"), max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_prompt_batch_n_and_logprobs(client: openai.OpenAI, engine: AsyncEngine,
+                                                 model_name: str) -> None:
+    prompts = ["The capital of France is", "One, two, three,"]
+    out = client.completions.create(model=model_name, prompt=prompts, n=2, max_tokens=6, temperature=0,
+                                    logprobs=2, extra_body=IGNORE_EOS)
+    assert out.object == "text_completion" and [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.usage.prompt_tokens == sum(len(engine.tokenizer.encode(p)) for p in prompts)
+    assert out.usage.completion_tokens == 4 * 6
+    assert out.choices[0].text == out.choices[1].text  # greedy: both choices of a prompt agree
+    for c in out.choices:
+        lp = c.logprobs
+        assert c.finish_reason == "length" and len(lp.tokens) == 6 and "".join(lp.tokens) == c.text
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+        assert all(len(top) <= 2 and max(top.values()) == pytest.approx(p)
+                   for top, p in zip(lp.top_logprobs, lp.token_logprobs))
+    by_ids = client.completions.create(model=model_name, prompt=engine.tokenizer.encode(prompts[0]), max_tokens=6,
+                                       temperature=0, extra_body=IGNORE_EOS)
+    assert by_ids.choices[0].text == out.choices[0].text
+
+
+def test_completions_stream(client: openai.OpenAI, model_name: str) -> None:
+    kwargs = dict(model=model_name, prompt="Once upon a time", max_tokens=8, temperature=0)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_stop_strings(client: openai.OpenAI, model_name: str) -> None:
+    kwargs = dict(model=model_name, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, extra_body=IGNORE_EOS)
+    free = client.completions.create(**kwargs).choices[0].text
+    assert " 6" in free
+    stopped = client.completions.create(**kwargs, stop=[" 6", "never"]).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.text == free[: free.index(" 6")]
+    streamed = client.completions.create(**kwargs, stop=" 6", stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == stopped.text
+
+
+def test_penalties_reach_the_sampler(client: openai.OpenAI, model_name: str) -> None:
+    kwargs = dict(model=model_name, prompt="1, 2, 3, 4,", max_tokens=10, temperature=0, extra_body=IGNORE_EOS)
+    plain = client.completions.create(**kwargs).choices[0].text
+    assert plain.startswith(" 5, 6, 7,")
+    # The repeated ", " loses to another token once penalised for each use.
+    assert not client.completions.create(**kwargs, frequency_penalty=2.0).choices[0].text.startswith(" 5, 6, 7,")
+
+
+def test_seed_and_n(client: openai.OpenAI, model_name: str) -> None:
+    kwargs = dict(model=model_name, messages=chat("Tell me a story."), max_tokens=8, temperature=1.0, n=3)
+    first = client.chat.completions.create(**kwargs, seed=1234)
+    again = client.chat.completions.create(**kwargs, seed=1234)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in again.choices]
+    assert len(set(texts)) > 1  # each choice draws with its own seed
+
+
+async def test_async_client_chat_and_text(aclient: openai.AsyncOpenAI, client: openai.OpenAI,
+                                          model_name: str) -> None:
+    kwargs = dict(model=model_name, messages=chat("Say hello."), max_tokens=8, temperature=0)
+    whole = await aclient.chat.completions.create(**kwargs)
+    stream = await aclient.chat.completions.create(**kwargs, stream=True)
+    text = "".join([c.choices[0].delta.content or "" async for c in stream])
+    assert text == whole.choices[0].message.content == client.chat.completions.create(**kwargs).choices[0].message.content
+    done = await aclient.completions.create(model=model_name, prompt="Hello, my name is", max_tokens=5,
+                                            temperature=0, extra_body=IGNORE_EOS)
+    stream = await aclient.completions.create(model=model_name, prompt="Hello, my name is", max_tokens=5,
+                                              temperature=0, extra_body=IGNORE_EOS, stream=True)
+    assert "".join([c.choices[0].text async for c in stream]) == done.choices[0].text
+    assert done.usage.completion_tokens == 5
+
+
+# many clients, disconnects ----------------------------------------------------
+
+
+async def _stream_text(aclient: openai.AsyncOpenAI, model_name: str, content: str, max_tokens: int) -> str:
+    stream = await aclient.chat.completions.create(model=model_name, messages=chat(content), max_tokens=max_tokens,
+                                                   temperature=0, stream=True)
+    return "".join([c.choices[0].delta.content or "" async for c in stream])
+
+
+async def test_16_concurrent_streams_match_each_alone(aclient: openai.AsyncOpenAI, url: str,
+                                                      model_name: str) -> None:
+    topics = ["cats", "rain", "the sea", "bread", "music", "trains", "snow", "gardens",
+              "bees", "clocks", "rivers", "maps", "tea", "stars", "bridges", "owls"]
+    prompts = [f"Write one sentence about {t}." for t in topics]
+    alone = [await _stream_text(aclient, model_name, p, 10) for p in prompts]
+    together = await asyncio.gather(*(_stream_text(aclient, model_name, p, 10) for p in prompts))
+    assert list(together) == alone
+    wait_until(lambda: no_blocks_in_use(url))
+    assert metric(url, 'edgeserve_kv_blocks{state="free"}') + metric(url, 'edgeserve_kv_blocks{state="cached"}') \
+        == metric(url, "edgeserve_kv_blocks_total")
+
+
+async def test_disconnect_frees_blocks_and_spares_others(aclient: openai.AsyncOpenAI, url: str,
+                                                         model_name: str) -> None:
+    messages = chat("Count slowly from one to one thousand.")
+    other_alone = await _stream_text(aclient, model_name, "Describe a sunny day.", 16)
+    other = asyncio.create_task(_stream_text(aclient, model_name, "Describe a sunny day.", 16))
+    stream = await aclient.chat.completions.create(model=model_name, messages=messages, max_tokens=2000,
+                                                   temperature=0, extra_body=IGNORE_EOS, stream=True)
+    seen = 0
+    async for chunk in stream:
+        seen += bool(chunk.choices[0].delta.content)
+        if seen == 4:
+            break
+    owners = {o for b in httpx.get(url + "/v1/edgeserve/kv").json()["blocks"] for o in b["owners"]}
+    assert any(o.startswith(chunk.id) for o in owners)  # still running: it holds blocks
+    await stream.close()
+    # Left alone it would run for 2000 tokens; aborted, its blocks go back at once.
+    wait_until(lambda: not any(o.startswith(chunk.id) for b in httpx.get(url + "/v1/edgeserve/kv").json()["blocks"]
+                               for o in b["owners"]), timeout=5)
+    assert await other == other_alone
+    wait_until(lambda: no_blocks_in_use(url))
+    assert metric(url, 'edgeserve_generations_total{reason="disconnect"}') >= 1
+
+
+def test_hanging_up_on_a_non_streaming_request_aborts_it(url: str, model_name: str) -> None:
+    body = json.dumps({"model": model_name, "messages": chat("Count to a thousand."), "max_tokens": 2000,
+                       "ignore_eos": True}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", urlparse(url).port)) as conn:
+        conn.sendall(head + body)
+        wait_until(lambda: metric(url, "edgeserve_requests_running") == 1)
+    # Left alone it would run for 2000 tokens.
+    wait_until(lambda: no_blocks_in_use(url), timeout=5)
+
+
+# bad input, limits, keys ------------------------------------------------------
+
+GOOD_CHAT = {"messages": chat("hi"), "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, body, status, param, code", [
+    ("/v1/chat/completions", b"{not json", 400, None, "invalid_json"),
+    ("/v1/chat/completions", b"[1, 2]", 400, None, "invalid_type"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "invalid_value"),
+    ("/v1/chat/completions", {}, 400, "messages", "missing_required_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", "invalid_value"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "max_tokens": -5}, 400, "max_tokens", "invalid_value"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "max_tokens": "many"}, 400, "max_tokens", "invalid_type"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "temperature": 2.5}, 400, "temperature", "invalid_value"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "temperature": "0.5"}, 400, "temperature", "invalid_type"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "n": 0}, 400, "n", "invalid_value"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs",
+     "invalid_value"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "stop": [""]}, 400, "stop", "invalid_value"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "logit_bias": {"5": -100}}, 400, "logit_bias", "invalid_value"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "model": "gpt-4o"}, 404, "model", "model_not_found"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "invalid_value"),
+    # Longer than the context: 413 (payload too large), with OpenAI's code for it.
+    ("/v1/completions", {"prompt": [42] * 9000}, 413, "prompt", "context_length_exceeded"),
+    ("/v1/nowhere", {}, 404, None, "not_found"),
+])
+def test_bad_input(url: str, path: str, body: dict | bytes, status: int, param: str | None, code: str) -> None:
+    content = body if isinstance(body, bytes) else None
+    resp = httpx.post(url + path, content=content, json=None if content else body,
+                      headers={"Content-Type": "application/json"})
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["code"] == code and error["message"]
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_bad_input_through_the_client(client: openai.OpenAI, model_name: str) -> None:
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.chat.completions.create(model="no-such-model", messages=chat("hi"))
+    assert nf.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=model_name, messages=[], max_tokens=2)
+    assert bad.value.param == "messages"
+    ok = client.chat.completions.create(model=model_name, messages=chat("hi"), max_tokens=2)  # still serving
+    assert ok.choices[0].message.role == "assistant"
+
+
+def test_api_key(keyed_url: str, model_name: str) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        resp = httpx.get(keyed_url + "/v1/models", headers=headers)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+    wrong = openai.OpenAI(base_url=keyed_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(model=model_name, messages=chat("hi"), max_tokens=2)
+    right = openai.OpenAI(base_url=keyed_url + "/v1", api_key=API_KEY, max_retries=0)
+    assert right.chat.completions.create(model=model_name, messages=chat("hi"), max_tokens=2).choices
+    assert httpx.get(keyed_url + "/health").status_code == 200  # health and metrics stay open for probes
+
+
+def test_full_queue_gets_429_and_others_carry_on(keyed_url: str, model_name: str) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    too_many = httpx.post(keyed_url + "/v1/chat/completions", headers=headers, json={**GOOD_CHAT, "n": 3})
+    assert too_many.status_code == 429 and too_many.json()["error"]["code"] == "queue_full"
+    client = openai.OpenAI(base_url=keyed_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    stream = client.chat.completions.create(model=model_name, messages=chat("Count to ten."), n=2, max_tokens=8,
+                                            temperature=0, extra_body=IGNORE_EOS, stream=True)
+    first = next(iter(stream))  # both choices now hold the two queue places
+    with pytest.raises(openai.RateLimitError) as full:
+        client.chat.completions.create(model=model_name, messages=chat("hi"), max_tokens=2)
+    assert full.value.status_code == 429
+    rest = list(stream)
+    assert sum(c.choices[0].finish_reason == "length" for c in [first, *rest] if c.choices) == 2
+    wait_until(lambda: client.chat.completions.create(model=model_name, messages=chat("hi"), max_tokens=2)
+               .choices[0].finish_reason is not None)
+
+
+# the rest of the surface ------------------------------------------------------
+
+
+def test_metrics_and_kv_map(client: openai.OpenAI, url: str, model_name: str) -> None:
+    before = metric(url, "edgeserve_completion_tokens_total")
+    requests_ok = metric(url, 'edgeserve_http_requests_total{code="200"}')
+    client.completions.create(model=model_name, prompt="Hello", max_tokens=3, temperature=0, extra_body=IGNORE_EOS)
+    assert metric(url, "edgeserve_completion_tokens_total") == before + 3
+    assert metric(url, 'edgeserve_http_requests_total{code="200"}') == requests_ok + 1
+    text = httpx.get(url + "/metrics").text
+    for name in ("edgeserve_time_to_first_token_seconds_bucket", "edgeserve_time_per_output_token_seconds_count",
+                 "edgeserve_prefix_cache_hit_tokens_total", "edgeserve_preemptions_total",
+                 "edgeserve_requests_waiting", "edgeserve_prompt_tokens_total"):
+        assert name in text
+    assert metric(url, 'edgeserve_time_to_first_token_seconds_bucket{le="+Inf"}') == \
+        metric(url, "edgeserve_time_to_first_token_seconds_count") > 0
+    kv = httpx.get(url + "/v1/edgeserve/kv").json()
+    assert kv["block_size"] == 16 and len(kv["blocks"]) == kv["num_blocks"] == metric(url, "edgeserve_kv_blocks_total")
+    assert {b["state"] for b in kv["blocks"]} <= {"free", "cached", "used", "shared"}
+    assert sum(kv["counts"].values()) == kv["num_blocks"]
+
+
+def test_http_bench_counts_every_token(url: str, engine: AsyncEngine, model_name: str) -> None:
+    work = uniform_workload(engine.tokenizer, n=4, prompt_len=16, output_len=5)
+    result = asyncio.run(run_http_bench(url, work, concurrency=2, model=model_name, progress=False))
+    summary = result.summary()
+    assert summary["requests"] == 4 and summary["output_tokens"] == 20
+    assert all(0 < t.ttft <= t.latency for t in result.timings)
+
+
+def test_serve_refuses_a_taken_port() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = CliRunner().invoke(cli, ["serve", "--port", str(taken.getsockname()[1])])
+    assert result.exit_code == 1 and "cannot listen on 127.0.0.1" in result.output

@@ -1,0 +1,261 @@
+"""`edgeserve tui`: sessions streaming together through Textual's test pilot, against the in-process engine
+and against a running server, and the real screen in tmux."""
+
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import uvicorn
+from starlette.responses import PlainTextResponse
+from textual.widgets import Input
+
+from edgeserve.async_engine import AsyncEngine
+from edgeserve.cli.chat_backends import EngineChatBackend, RemoteChatBackend
+from edgeserve.cli.options import build_engine
+from edgeserve.cli.tui_app import EdgeserveApp, HelpScreen, SessionPane
+from edgeserve.cli.tui_panels import KVMap, StatusPanel
+from edgeserve.server import create_app
+
+TIMEOUT = 180.0  # seconds for answers on a slow, shared CPU
+GREEDY = {"temperature": 0.0}
+LONG_PROMPT = "Write a long story about a dragon."
+
+
+@pytest.fixture(scope="module")
+def aengine(model_path) -> Iterator[AsyncEngine]:
+    engine = build_engine(str(model_path), "numpy", "32MiB", quiet=True)
+    aengine = AsyncEngine(engine)
+    yield aengine
+    aengine.shutdown()
+
+
+def tui(backend, max_tokens: int) -> EdgeserveApp:
+    return EdgeserveApp(backend, settings={**GREEDY, "max_tokens": max_tokens}, refresh_interval=0.05)
+
+
+async def wait_until(pilot, condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting until {what}")
+        await pilot.pause(0.05)
+
+
+async def send(pilot, pane: SessionPane, text: str) -> None:
+    box = pane.query_one(Input)
+    box.focus()
+    box.value = text
+    await pilot.press("enter")
+
+
+async def engine_state(aengine: AsyncEngine) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """The live request ids and the KV map, read on the engine thread after what was queued before."""
+    return await aengine.call(lambda engine: (list(engine.seqs), engine.kv_map()))
+
+
+async def test_three_sessions_stream_at_once_and_hold_blocks_in_the_kv_map(aengine):
+    app = tui(EngineChatBackend(aengine), max_tokens=12)
+    async with app.run_test(size=(160, 45)) as pilot:
+        await pilot.press("ctrl+n", "ctrl+n")
+        sessions = app.sessions
+        assert len(sessions) == 3 and len({s.colour for s in sessions}) == 3
+        kv_map, panel = app.query_one(KVMap), app.query_one(StatusPanel)
+        colours = {s.colour for s in sessions}
+        together = []
+
+        def all_done() -> bool:
+            holders = {app.colour_of(owner) for owner in kv_map.owners()}
+            drawn = {str(span.style) for span in kv_map.render().spans}
+            if holders == colours and colours <= drawn and panel.status.running == 3:
+                together.append(panel.status.batch_size)
+            return not any(s.answering for s in sessions)
+
+        for pane, prompt in zip(sessions, ["Hi!", "What is 2+2?", "Name a colour."]):
+            await send(pilot, pane, prompt)
+        await wait_until(pilot, all_done, "the three answers finish")
+
+        assert together, "never saw the three sessions running together, each holding KV blocks"
+        assert max(together) == 3  # one batch carried all three
+        for pane in sessions:
+            assert pane.conversation.turns[-1]["role"] == "assistant"
+            assert pane.conversation.turns[-1]["content"].strip()
+            assert pane.last_stats.finish_reason in ("stop", "length")
+        await wait_until(pilot, lambda: {b.state for b in kv_map.blocks} <= {"free", "cached"},
+                         "the map shows every block free or cached")
+        assert any(b.state == "cached" for b in kv_map.blocks)
+
+
+async def test_stopping_keeps_the_session_and_closing_aborts_its_request(aengine):
+    app = tui(EngineChatBackend(aengine), max_tokens=200)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = app.sessions[0]
+        await send(pilot, pane, LONG_PROMPT)
+        await wait_until(pilot, lambda: pane.streamed_tokens >= 2, "the answer streams")
+
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not pane.answering, "the answer stops")
+
+        assert app.sessions == [pane]
+        assert pane.conversation.turns[-1]["role"] == "assistant"  # kept as far as it got
+        live, _ = await engine_state(aengine)
+        assert live == []
+
+        await send(pilot, pane, LONG_PROMPT)
+        await wait_until(pilot, lambda: pane.streamed_tokens >= 2, "the next answer streams")
+        request_id = pane.request_id
+        live, kv = await engine_state(aengine)
+        assert request_id in live and any(request_id in owners for _, owners in kv)
+
+        await pilot.press("ctrl+w")
+        await wait_until(pilot, lambda: not app.sessions, "the session closes")
+
+        live, kv = await engine_state(aengine)
+        assert live == []
+        assert {state for state, _ in kv} <= {"free", "cached"}
+
+
+async def test_each_session_keeps_its_own_settings_and_the_help_lists_the_keys(aengine):
+    app = tui(EngineChatBackend(aengine), max_tokens=8)
+    async with app.run_test(size=(160, 45)) as pilot:
+        await pilot.press("ctrl+n")
+        first, second = app.sessions
+        await send(pilot, first, "/system Answer in French.")
+        await send(pilot, first, "/set temperature 0.4")
+        await send(pilot, second, "/set temperature 2.5")
+
+        assert (first.conversation.system, first.conversation.settings["temperature"]) == ("Answer in French.", 0.4)
+        assert (second.conversation.system, second.conversation.settings["temperature"]) == (None, 0.0)
+        assert "t=0.4" in first.border_title and "t=0" in second.border_title
+        assert "temperature must be between 0 and 2" in str(second.query(".error").last().render())
+
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        help_text = str(app.screen.query_one("Static").render())
+        assert all(key in help_text for key in ("Ctrl+N", "Ctrl+W", "Esc", "/system", "/set"))
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+# against a server --------------------------------------------------------------------
+
+
+def without_edgeserve_extras(app):
+    """The edgeserve server with its KV map and metrics removed: any other OpenAI-compatible server."""
+
+    async def plain(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] in (RemoteChatBackend.KV_PATH, RemoteChatBackend.METRICS_PATH):
+            return await PlainTextResponse("Not Found", status_code=404)(scope, receive, send)
+        return await app(scope, receive, send)
+
+    return plain
+
+
+@contextmanager
+def serving(app) -> Iterator[str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@pytest.mark.parametrize("edgeserve_server", [True, False], ids=["edgeserve", "other-server"])
+async def test_a_session_streams_from_a_server(aengine, edgeserve_server):
+    server_app = create_app(aengine, "smollm2-135m-instruct")
+    with serving(server_app if edgeserve_server else without_edgeserve_extras(server_app)) as url:
+        app = tui(RemoteChatBackend(url), max_tokens=10)
+        async with app.run_test(size=(160, 45)) as pilot:
+            pane, kv_map = app.sessions[0], app.query_one(KVMap)
+            assert app.backend.model_name == "smollm2-135m-instruct"
+            holders: set = set()
+
+            def done() -> bool:
+                holders.update(app.colour_of(owner) for owner in kv_map.owners())
+                return not pane.answering
+
+            await send(pilot, pane, "Hi!")
+            await wait_until(pilot, done, "the answer finishes")
+
+            assert pane.conversation.turns[-1]["content"].strip()
+            assert pane.last_stats.prompt_tokens > 0
+            if edgeserve_server:
+                assert pane.colour in holders  # the server's request ids were traced back to the session
+            else:
+                assert kv_map.blocks is None
+                assert "no KV map" in str(kv_map.render())
+
+
+def test_a_server_that_is_not_there_is_one_line_of_error():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens here once the socket closes
+    result = subprocess.run(
+        [sys.executable, "-c", "from edgeserve.cli.main import cli; cli()", "tui", "--url", f"http://127.0.0.1:{port}"],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1
+    assert result.stderr.strip().startswith(f"error: cannot list the models of http://127.0.0.1:{port}")
+    assert "Traceback" not in result.stderr
+
+
+# the real screen --------------------------------------------------------------------
+
+
+def test_the_real_screen_shows_sessions_and_the_kv_map(model_path, tmp_path):
+    if shutil.which("tmux") is None:
+        if os.environ.get("CI"):
+            pytest.fail("tmux is missing (apt-get install tmux)")
+        pytest.skip("tmux is not installed")
+    server = f"edgeserve-test-{os.getpid()}"  # a private tmux server, whatever the user runs
+    command = shlex.join([sys.executable, "-c", "from edgeserve.cli.main import cli; cli()", "tui",
+                          "--model", str(model_path), "--backend", "numpy", "--kv-memory", "32MiB",
+                          "--temperature", "0", "--max-tokens", "8"])
+
+    def tmux(*args: str) -> str:
+        return subprocess.run(["tmux", "-L", server, *args], check=True, capture_output=True, text=True).stdout
+
+    def wait_for_screen(*texts: str) -> str:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            screen = tmux("capture-pane", "-p", "-t", "tui")
+            if all(t in screen for t in texts):
+                return screen
+            if time.monotonic() > deadline:
+                pytest.fail(f"the screen never showed {texts}:\n{screen}")
+            time.sleep(0.5)
+
+    env = {**os.environ, "EDGESERVE_HOME": str(tmp_path), "TERM": "xterm-256color"}
+    subprocess.run(["tmux", "-L", server, "-f", os.devnull, "new-session", "-d", "-s", "tui", "-x", "160", "-y", "45",
+                    command], check=True, env=env)
+    try:
+        screen = wait_for_screen("Session 1", "KV pool", "blocks × 16 tokens")
+        assert "model    SmolLM2-135M-Instruct.Q4_1.gguf" in screen
+        assert "backend  numpy" in screen
+        tmux("send-keys", "-t", "tui", "Hi!", "Enter")
+        wait_for_screen("TTFT")
+        tmux("send-keys", "-t", "tui", "C-n")
+        wait_for_screen("Session 2")
+        tmux("send-keys", "-t", "tui", "C-q")
+        deadline = time.monotonic() + 30
+        while subprocess.run(["tmux", "-L", server, "has-session", "-t", "tui"], capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, "Ctrl+Q did not quit"
+            time.sleep(0.2)
+    finally:
+        subprocess.run(["tmux", "-L", server, "kill-server"], capture_output=True)
