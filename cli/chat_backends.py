@@ -52,6 +52,7 @@ class ReplyStats:
 @dataclass
 class ReplyChunk:
     text: str
+    output_tokens: int  # generated so far
     stats: ReplyStats | None = None  # on the last chunk of an answer only
 
 
@@ -142,11 +143,12 @@ class EngineChatBackend(ChatBackend):
             if out.finished:
                 stats = ReplyStats(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens,
                                    out.ttft, out.elapsed, out.finish_reason)
-            yield ReplyChunk(out.text, stats)
+            yield ReplyChunk(out.text, out.num_output_tokens, stats)
 
     async def status(self) -> BackendStatus:
-        st = self.aengine.stats()
-        blocks = [KVBlock(state, owners) for state, owners in await self.aengine.kv_map()]
+        # both read between two steps, so the figures and the map agree
+        st, kv = await self.aengine.call(lambda engine: (engine.stats(), engine.kv_map()))
+        blocks = [KVBlock(state, owners) for state, owners in kv]
         return BackendStatus(
             running=st.running, waiting=st.waiting, batch_size=st.last_batch_seqs if st.running else 0,
             tokens_per_second=st.tokens_per_second if st.running else 0.0, memory_bytes=self.memory_bytes,
@@ -233,7 +235,7 @@ class RemoteChatBackend(ChatBackend):
                             ttft = ttft if ttft is not None else now - start
                             count += 1
                             self._token_times.append(now)
-                            yield ReplyChunk(delta)
+                            yield ReplyChunk(delta, count)
             finally:
                 await stream.close()
                 self._server_ids.pop(server_id, None)
@@ -242,7 +244,7 @@ class RemoteChatBackend(ChatBackend):
         finally:
             self._active.discard(request_id)
         details = getattr(usage, "prompt_tokens_details", None) if usage else None
-        yield ReplyChunk("", ReplyStats(
+        yield ReplyChunk("", count, ReplyStats(
             prompt_tokens=usage.prompt_tokens if usage else None,
             output_tokens=usage.completion_tokens if usage else count,
             cached_tokens=getattr(details, "cached_tokens", None),

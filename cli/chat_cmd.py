@@ -68,7 +68,7 @@ class ChatRepl:
     def __init__(self, backend: ChatBackend, conversation: Conversation, console: Console | None = None):
         self.backend = backend
         self.conversation = conversation
-        self.console = console or Console(highlight=False)
+        self.console = console or Console(highlight=False, soft_wrap=True)
         self.last: ReplyStats | None = None
         # line editing needs a terminal; piped input is read line by line
         self.session = _prompt_session() if sys.stdin.isatty() else None
@@ -131,7 +131,8 @@ class ChatRepl:
             size += f", {tokens} of {self.backend.context_tokens} context tokens"
         lines = [f"conversation: {size}; system prompt: {conv.system or '(the model default)'}"]
         params = conv.sampling_params()
-        lines.append(f"settings: temperature={params.temperature}, top_p={params.top_p}, max_tokens={params.max_tokens}")
+        lines.append(f"settings: temperature={params.temperature}, top_p={params.top_p}, "
+                     f"max_tokens={params.max_tokens} (/set changes them)")
         st = await self.backend.status()
         if st.kv_blocks is not None:
             counts = {s: sum(b.state == s for b in st.kv_blocks) for s in ("used", "shared", "cached", "free")}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
+from edgeserve.backends.numpy_backend import WEIGHT_MODES, resident_weight_bytes
 from edgeserve.kv_pool import kv_bytes_per_token
+from edgeserve.metal import active_attention_path
 from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, local_models, local_path, pull as pull_model
 from edgeserve.models.loader import load_model
 from edgeserve.units import format_size
@@ -36,7 +38,8 @@ def models() -> None:
 @click.argument("model", default=DEFAULT_MODEL)
 @click.option("--sessions", "-s", default=4, show_default=True, help="Concurrent sessions to size memory for.")
 @click.option("--context", "-c", default=4096, show_default=True, help="Tokens per session.")
-def info(model: str, sessions: int, context: int) -> None:
+@click.option("--backend", default="auto", show_default=True, help="Backend whose attention path to report.")
+def info(model: str, sessions: int, context: int, backend: str) -> None:
     """Architecture, size, quantization, KV bytes per token and memory for N sessions of C tokens."""
     m = load_model(model)
     a = m.args
@@ -53,6 +56,9 @@ def info(model: str, sessions: int, context: int) -> None:
         ("KV per token", f"{kv16} bytes (float16), {kv32} bytes (float32)"),
         (f"{sessions} x {context} tokens", f"{format_size(sessions * context * kv16)} KV (float16), "
                                            f"{format_size(sessions * context * kv32)} KV (float32)"),
+        ("NumPy weights", ", ".join(f"{format_size(resident_weight_bytes(m, mode))} resident as {mode}"
+                                    for mode in WEIGHT_MODES)),
+        ("attention", active_attention_path(backend)),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

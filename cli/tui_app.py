@@ -108,11 +108,21 @@ class SessionPane(Vertical):
         self.border_subtitle = state
 
     def add_line(self, text: str, kind: str) -> Static:
+        """Append to the transcript; kind is a message role, "note" or "error"."""
         line = Static(Text(text), classes=kind)
+        if kind == "assistant":
+            line.styles.color = self.colour
         transcript = self.query_one(".transcript", VerticalScroll)
         transcript.mount(line)
         transcript.scroll_end(animate=False)
         return line
+
+    def redraw(self, note: str) -> None:
+        """Show the conversation afresh (after /reset or /load), then note."""
+        self.query_one(".transcript", VerticalScroll).remove_children()
+        for message in self.conversation.turns:
+            self.add_line(message["content"], message["role"])
+        self.add_line(note, "note")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
@@ -125,18 +135,19 @@ class SessionPane(Vertical):
 
     def run_command(self, line: str) -> None:
         try:
-            outcome = self.conversation.command(line)
+            outcome = self.conversation.command(line, answering=self.answering)
         except EdgeserveError as exc:
             self.add_line(str(exc), "error")
             return
-        if outcome.message:
+        if outcome.action == "history":
+            self.redraw(outcome.message)
+        elif outcome.message:
             self.add_line(outcome.message, "note")
-        if line.strip() == "/reset":
-            self.query_one(".transcript", VerticalScroll).remove_children()
         if outcome.action == "help":
             self.app.action_help()
-        elif outcome.action == "stats" and self.last_stats is not None:
-            self.add_line(f"last answer: {self.last_stats.summary()}", "note")
+        elif outcome.action == "stats":
+            last = f"; last answer: {self.last_stats.summary()}" if self.last_stats else ""
+            self.add_line(f"{len(self.conversation.turns)} messages{last}", "note")
         elif outcome.action == "exit":
             self.app.close_session(self)
         self.update_title()
@@ -168,15 +179,14 @@ class SessionPane(Vertical):
         if dropped:
             self.add_line(f"the conversation outgrew the context: dropped the {dropped} oldest messages", "note")
         reply = self.add_line("", "assistant")
-        reply.styles.color = self.colour
         parts: list[str] = []
         self.streamed_tokens = 0
         self.request_id = f"session{self.number}-{next(self._request_numbers)}"
         try:
             async for chunk in backend.stream(conv.messages(), params, self.request_id):
+                self.streamed_tokens = chunk.output_tokens
                 if chunk.text:
                     parts.append(chunk.text)
-                    self.streamed_tokens += 1
                     reply.update(Text("".join(parts)))
                     self.query_one(".transcript", VerticalScroll).scroll_end(animate=False)
                     self.update_title()
@@ -207,7 +217,9 @@ class EdgeserveApp(App):
     #sessions { layout: grid; grid-size: 1; grid-rows: 1fr; width: 1fr; }
     """
     BINDINGS = [
-        Binding("ctrl+n", "new_session", "New session", priority=True),
+        # Ctrl+N reaches the app after the focused input has seen the keys typed before it; Ctrl+W
+        # must jump that queue (priority), as the input would take it for "delete a word"
+        Binding("ctrl+n", "new_session", "New session"),
         Binding("ctrl+w", "close_session", "Close session", priority=True),
         Binding("escape", "stop_answer", "Stop answer"),
         Binding("f1", "help", "Help"),
@@ -262,8 +274,7 @@ class EdgeserveApp(App):
             status = await self.backend.status()
         except EdgeserveError:
             return
-        if self.status_panel.is_attached:  # the app may have closed while waiting for the status
-            self.status_panel.show(status)
+        self.status_panel.show(status)
 
     def current_session(self) -> SessionPane | None:
         focused = self.focused

@@ -75,13 +75,15 @@ class StatusPanel(Vertical):
         super().__init__(**kwargs)
         self.model = model
         self.backend = backend
-        self.colour_of = colour_of
         self.status = BackendStatus()
+        self.figures = Static(id="figures")
+        self.kv_title = Static("KV pool", id="kv-title")
+        self.kv_map = KVMap(colour_of, id="kv-map")
 
     def compose(self) -> ComposeResult:
-        yield Static(id="figures")
-        yield Static("KV pool", id="kv-title")
-        yield KVMap(self.colour_of, id="kv-map")
+        yield self.figures
+        yield self.kv_title
+        yield self.kv_map
         legend = Text()
         for state in ("used", "shared", "cached", "free"):
             legend.append(f"{GLYPHS[state]} {state}  ", "grey50" if state in ("cached", "free") else "bold")
@@ -107,11 +109,11 @@ class StatusPanel(Vertical):
             f"tokens/s {figure(status.tokens_per_second, '{:.1f}')}"
             + (f"   prefix hits {100 * status.prefix_hit_rate:.0f}%" if status.prefix_hit_rate is not None else ""),
         ]
-        self.query_one("#figures", Static).update(Text("\n".join(lines)))
+        self.figures.update(Text("\n".join(lines)))
         title = "KV pool"
         if status.kv_blocks is not None:
             counts = {s: sum(b.state == s for b in status.kv_blocks) for s in GLYPHS}
             title += (f": {len(status.kv_blocks)} blocks × {status.block_size} tokens\n"
                       + "  ".join(f"{n} {s}" for s, n in counts.items()))
-        self.query_one("#kv-title", Static).update(Text(title))
-        self.query_one(KVMap).show(status.kv_blocks)
+        self.kv_title.update(Text(title))
+        self.kv_map.show(status.kv_blocks)

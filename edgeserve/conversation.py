@@ -43,8 +43,8 @@ class ConversationFileError(EdgeserveError):
     """A conversation file cannot be read, written or understood."""
 
 
-class UnknownCommandError(EdgeserveError):
-    """A line starting with '/' that names no command, or a command used wrongly."""
+class CommandError(EdgeserveError):
+    """A slash command that cannot run: unknown, used wrongly, or not while an answer streams."""
 
 
 @dataclass
@@ -52,7 +52,7 @@ class CommandOutcome:
     """What a slash command did: a line to show, and an action left to the front end."""
 
     message: str = ""
-    action: str | None = None  # "help", "stats" or "exit"
+    action: str | None = None  # "help", "stats", "exit", or "history" (it changed: redraw it)
 
 
 @dataclass
@@ -89,11 +89,11 @@ class Conversation:
     def set(self, name: str, value: str) -> None:
         """Change one sampling setting from its text form; invalid values leave the settings as they were."""
         if name not in SETTINGS:
-            raise UnknownCommandError(f"unknown setting {name!r} (choose from {', '.join(SETTINGS)})")
+            raise CommandError(f"unknown setting {name!r} (choose from {', '.join(SETTINGS)})")
         try:
             parsed = SETTINGS[name](value)
         except ValueError:
-            raise UnknownCommandError(f"{name} must be a number, got {value!r}") from None
+            raise CommandError(f"{name} must be a number, got {value!r}") from None
         SamplingParams(**{**self.settings, name: parsed})
         self.settings[name] = parsed
 
@@ -153,15 +153,20 @@ class Conversation:
 
     # slash commands -------------------------------------------------------------
 
-    def command(self, line: str) -> CommandOutcome:
-        """Run one slash command line such as '/system Be brief.'; front ends handle the returned action."""
+    def command(self, line: str, answering: bool = False) -> CommandOutcome:
+        """Run one slash command line such as '/system Be brief.'; front ends handle the returned action.
+
+        While an answer streams (answering), the history must stay as it is, for the answer to join it.
+        """
         name, _, arg = line.strip().partition(" ")
         arg = arg.strip()
+        if answering and name in ("/reset", "/load"):
+            raise CommandError(f"{name} must wait until the answer ends (Esc stops it)")
         if name in ("/help", "/stats", "/exit"):
             return CommandOutcome(action=name[1:])
         if name == "/reset":
             self.reset()
-            return CommandOutcome("conversation cleared")
+            return CommandOutcome("conversation cleared", "history")
         if name == "/system":
             if not arg:
                 return CommandOutcome(f"system prompt: {self.system}" if self.system else "no system prompt")
@@ -173,17 +178,17 @@ class Conversation:
                 return CommandOutcome(", ".join(f"{k}={getattr(current, k)}" for k in SETTINGS))
             key, _, value = arg.partition(" ")
             if not value.strip():
-                raise UnknownCommandError("usage: /set NAME VALUE")
+                raise CommandError("usage: /set NAME VALUE")
             self.set(key, value.strip())
             return CommandOutcome(f"{key} = {self.settings[key]}")
         if name in ("/save", "/load"):
             if not arg:
-                raise UnknownCommandError(f"usage: {name} FILE")
+                raise CommandError(f"usage: {name} FILE")
             if name == "/save":
                 self.save(arg)
                 return CommandOutcome(f"saved {len(self.turns)} messages to {arg}")
             loaded = Conversation.load(arg)
             self.system, self.turns = loaded.system, loaded.turns
             self.settings.update(loaded.settings)
-            return CommandOutcome(f"loaded {len(self.turns)} messages from {arg}")
-        raise UnknownCommandError(f"unknown command {name} (/help lists them)")
+            return CommandOutcome(f"loaded {len(self.turns)} messages from {arg}", "history")
+        raise CommandError(f"unknown command {name} (/help lists them)")

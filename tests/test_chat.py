@@ -8,7 +8,7 @@ import sys
 import pexpect
 import pytest
 
-from edgeserve.conversation import Conversation, ConversationFileError, UnknownCommandError
+from edgeserve.conversation import CommandError, Conversation, ConversationFileError
 from edgeserve.errors import PromptTooLongError
 from edgeserve.sampling_params import InvalidParamsError
 
@@ -65,12 +65,22 @@ def test_commands_change_the_conversation(tmp_path):
     assert conv.settings == {"temperature": 0.5, "top_k": 40}
 
 
+def test_history_stays_put_while_an_answer_streams():
+    conv = Conversation()
+    conv.add("user", "hi")
+    for line in ("/reset", "/load conversation.json"):
+        with pytest.raises(CommandError, match="must wait until the answer ends"):
+            conv.command(line, answering=True)
+    assert conv.turns == [{"role": "user", "content": "hi"}]
+    assert conv.command("/set temperature 0.1", answering=True).message == "temperature = 0.1"
+
+
 @pytest.mark.parametrize("line, error, match", [
-    ("/frobnicate", UnknownCommandError, "unknown command /frobnicate"),
-    ("/set temperature hot", UnknownCommandError, "temperature must be a number"),
+    ("/frobnicate", CommandError, "unknown command /frobnicate"),
+    ("/set temperature hot", CommandError, "temperature must be a number"),
     ("/set temperature 5", InvalidParamsError, "temperature must be between 0 and 2"),
-    ("/set warmth 1", UnknownCommandError, "unknown setting 'warmth'"),
-    ("/save", UnknownCommandError, "usage: /save FILE"),
+    ("/set warmth 1", CommandError, "unknown setting 'warmth'"),
+    ("/save", CommandError, "usage: /save FILE"),
 ])
 def test_bad_commands_say_what_is_wrong_and_change_nothing(line, error, match):
     conv = Conversation(settings={"temperature": 0.5})

@@ -24,7 +24,7 @@ from edgeserve.models.loader import LoadedModel, load_folder
 from edgeserve.quant.affine import QuantizedTensor, quantize
 from edgeserve.quant.convert import convert
 from edgeserve.quant.perplexity import perplexity, windows
-from edgeserve.quant.report import SHIPPED_TEXT, layer_error_table
+from edgeserve.quant.report import SHIPPED_TEXT, layer_error_table, quality_report
 from edgeserve.sampling_params import SamplingParams
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -62,6 +62,16 @@ def short_ids(source_engine) -> list[int]:
     return source_engine.tokenizer.encode(SHORT_PROMPT)
 
 
+@pytest.fixture(scope="module")
+def source_logits(source_engine, prompt_ids, short_ids) -> dict[str, np.ndarray]:
+    return {"chat": source_engine.prompt_logits(prompt_ids), "short": source_engine.prompt_logits(short_ids)}
+
+
+@pytest.fixture(scope="module")
+def source_greedy(source_engine, prompt_ids) -> list[int]:
+    return _greedy(source_engine, prompt_ids)
+
+
 def _greedy(engine: LLMEngine, ids: list[int]) -> list[int]:
     engine.add_request(ids, GREEDY, "greedy")
     tokens: list[int] = []
@@ -90,19 +100,19 @@ def test_gguf_becomes_mlx_folders(folders):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_converted_logits_and_greedy_text_match_the_source(folder_engines, source_engine, prompt_ids, bits):
+def test_converted_logits_and_greedy_text_match_the_source(folder_engines, source_logits, source_greedy, prompt_ids,
+                                                          bits):
     engine = folder_engines[bits]
-    diff = np.abs(engine.prompt_logits(prompt_ids) - source_engine.prompt_logits(prompt_ids)).max()
-    assert diff <= LOGITS_TOLERANCE
-    assert _greedy(engine, prompt_ids) == _greedy(source_engine, prompt_ids)
+    assert np.abs(engine.prompt_logits(prompt_ids) - source_logits["chat"]).max() <= LOGITS_TOLERANCE
+    assert _greedy(engine, prompt_ids) == source_greedy
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_converted_folders_run_on_the_mlx_backend(folders, source_engine, short_ids, bits):
+def test_converted_folders_run_on_the_mlx_backend(folders, source_logits, short_ids, bits):
     pytest.importorskip("mlx.core", reason="MLX is not installed: MLX backend not tested")
     engine = LLMEngine(load_folder(folders[bits]), backend="mlx", kv_memory="64MiB")
     last = engine.prompt_logits(short_ids)[-1]
-    assert np.abs(last - source_engine.prompt_logits(short_ids)[-1]).max() <= LOGITS_TOLERANCE
+    assert np.abs(last - source_logits["short"][-1]).max() <= LOGITS_TOLERANCE
     tokens = _greedy(engine, short_ids)
     assert len(tokens) == GREEDY.max_tokens and tokens[0] == int(np.argmax(last))
 
@@ -131,7 +141,7 @@ def _write_float16_folder(model: LoadedModel, folder: Path) -> None:
     model.tokenizer.save_pretrained(folder)
 
 
-def test_float16_folder_converts_to_4_bits_in_shards(loaded_model, tmp_path, prompt_ids):
+def test_float16_folder_converts_to_4_bits_in_shards(loaded_model, tmp_path, short_ids):
     _write_float16_folder(loaded_model, tmp_path / "f16")
     f16 = load_folder(tmp_path / "f16")
     result = convert(f16, tmp_path / "int4", bits=4, progress=False, max_shard_bytes=40 * 10**6)
@@ -147,15 +157,15 @@ def test_float16_folder_converts_to_4_bits_in_shards(loaded_model, tmp_path, pro
     assert (got.bits, got.group_size) == (4, 64) and back.weights["model.embed_tokens.weight"].bits == 8
     assert all(np.array_equal(a, b) for a, b in zip((got.weight, got.scales, got.biases), (want.weight, want.scales, want.biases)))
     engine = LLMEngine(back, backend="numpy", kv_memory="64MiB")
-    assert len(_greedy(engine, prompt_ids)) == GREEDY.max_tokens
+    assert len(_greedy(engine, short_ids)) == GREEDY.max_tokens
 
 
 def test_perplexity_of_the_converted_models(folder_engines, source_engine):
-    ids = source_engine.tokenizer.encode(SHIPPED_TEXT.read_text(encoding="utf-8"))[:384]
-    source = perplexity(source_engine, ids, ctx=128, progress=False)
-    assert source.tokens == len(ids) - 1 and 1 < source.perplexity < 100
+    ids = source_engine.tokenizer.encode(SHIPPED_TEXT.read_text(encoding="utf-8"))[:256]
+    source = perplexity(source_engine, ids, ctx=128, stride=128, progress=False)
+    assert source.windows == 2 and source.tokens == len(ids) - 2 and 1 < source.perplexity < 100
     for bits, limit in ((8, 0.01), (4, 0.10)):
-        result = perplexity(folder_engines[bits], ids, ctx=128, progress=False)
+        result = perplexity(folder_engines[bits], ids, ctx=128, stride=128, progress=False)
         assert abs(result.perplexity / source.perplexity - 1) <= limit, (bits, result, source)
 
 
@@ -167,15 +177,30 @@ def test_sliding_windows_score_every_token_once():
     assert all(first - begin >= 128 for begin, _, first in spans[1:])  # context of at least ctx - stride
 
 
-def test_quantized_weights_mode_matches_float32(loaded_model, source_engine, prompt_ids, monkeypatch):
+def test_quantized_weights_mode_matches_float32(loaded_model, source_logits, short_ids, monkeypatch):
     monkeypatch.setattr(llm_engine, "get_backend", lambda name, **kw: NumpyBackend(weights="quantized"))
     engine = LLMEngine(loaded_model, backend="numpy", kv_memory="64MiB")
     qkv = engine.runner.model.layers[0]["qkv"]
     assert isinstance(qkv, DequantizingLinear)  # the model's own storage, no float32 copy
     assert qkv.parts[2] is loaded_model.weights["model.layers.0.self_attn.v_proj.weight"]
-    assert np.abs(engine.prompt_logits(prompt_ids) - source_engine.prompt_logits(prompt_ids)).max() < 1e-3
+    assert np.abs(engine.prompt_logits(short_ids) - source_logits["short"]).max() < 1e-3
     float32, quantized = (resident_weight_bytes(loaded_model, mode) for mode in ("float32", "quantized"))
     assert float32 == 4 * loaded_model.num_parameters and quantized < float32 / 4
+
+
+def test_quality_report_of_a_requantized_model(loaded_model, tmp_path):
+    result = convert(loaded_model, tmp_path / "g64", bits=4, group_size=64, measure_errors=True, progress=False)
+    errors = dict(result.relative_errors)
+    assert 0 < errors.pop("model.embed_tokens.weight") < 0.01  # Q8_0 groups of 32 regrouped by 64 at 8 bits
+    assert len(errors) == 7 * 30 and all(0.01 < e < 0.5 for e in errors.values())  # likewise Q4_1 at 4 bits
+    text = tmp_path / "text.txt"
+    text.write_text(SHIPPED_TEXT.read_text(encoding="utf-8")[:400], encoding="utf-8")
+    report = quality_report(loaded_model, result, text_path=text, ctx=64, backend="numpy", progress=False)
+    lines = report.splitlines()
+    assert lines[0].startswith(f"Quality of {result.out} (4-bit, group 64; model.embed_tokens 8-bit, group 64)")
+    assert [line.split()[0] for line in lines if line[:5].strip().isdigit()] == [str(i) for i in range(30)]
+    source, converted = (float(line.split()[1]) for line in lines[-2:])
+    assert lines[-2].startswith("  source") and lines[-1].startswith("  result") and source > 1 and converted > 1
 
 
 def test_report_lays_out_errors_per_layer():

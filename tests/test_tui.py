@@ -69,21 +69,28 @@ async def test_three_sessions_stream_at_once_and_hold_blocks_in_the_kv_map(aengi
         assert len(sessions) == 3 and len({s.colour for s in sessions}) == 3
         kv_map, panel = app.query_one(KVMap), app.query_one(StatusPanel)
         colours = {s.colour for s in sessions}
-        together = []
+        together, shared = [], []
 
-        def all_done() -> bool:
+        def watch() -> bool:
             holders = {app.colour_of(owner) for owner in kv_map.owners()}
             drawn = {str(span.style) for span in kv_map.render().spans}
             if holders == colours and colours <= drawn and panel.status.running == 3:
                 together.append(panel.status.batch_size)
+            shared.extend(b for b in kv_map.blocks if b.state == "shared" and len(b.owners) > 1)
             return not any(s.answering for s in sessions)
 
-        for pane, prompt in zip(sessions, ["Hi!", "What is 2+2?", "Name a colour."]):
-            await send(pilot, pane, prompt)
-        await wait_until(pilot, all_done, "the three answers finish")
+        # the first answer is the longest, and the others start while it streams: they find the
+        # blocks of the prompt start they have in common with it in the prefix cache, and share them
+        await send(pilot, sessions[0], "/set max_tokens 24")
+        await send(pilot, sessions[0], LONG_PROMPT)
+        await wait_until(pilot, lambda: sessions[0].streamed_tokens >= 1, "the first answer streams")
+        await send(pilot, sessions[1], "What is 2+2?")
+        await send(pilot, sessions[2], "Name a colour.")
+        await wait_until(pilot, watch, "the three answers finish")
 
         assert together, "never saw the three sessions running together, each holding KV blocks"
         assert max(together) == 3  # one batch carried all three
+        assert shared, "never saw a block shared through the prefix cache"
         for pane in sessions:
             assert pane.conversation.turns[-1]["role"] == "assistant"
             assert pane.conversation.turns[-1]["content"].strip()
@@ -181,7 +188,7 @@ def serving(app) -> Iterator[str]:
 async def test_a_session_streams_from_a_server(aengine, edgeserve_server):
     server_app = create_app(aengine, "smollm2-135m-instruct")
     with serving(server_app if edgeserve_server else without_edgeserve_extras(server_app)) as url:
-        app = tui(RemoteChatBackend(url), max_tokens=10)
+        app = tui(RemoteChatBackend(url), max_tokens=6)
         async with app.run_test(size=(160, 45)) as pilot:
             pane, kv_map = app.sessions[0], app.query_one(KVMap)
             assert app.backend.model_name == "smollm2-135m-instruct"

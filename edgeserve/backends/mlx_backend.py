@@ -150,7 +150,7 @@ class MLXBackend:
         )
 
     def embed(self, table: Linear, ids: mx.array) -> mx.array:
-        return table.parts[0].rows(ids).astype(self.dtype)
+        return table.parts[0].rows(ids)
 
     def matmul(self, x: mx.array, w: Linear) -> mx.array:
         return w(x)
