@@ -129,7 +129,7 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free_seq(self, seq: Sequence) -> None:
-        """Release seq's blocks; the last ones go to the front of the eviction order."""
+        """Release seq's blocks, tail first, so its tail is evicted before its (more shareable) head."""
         for b in reversed(seq.block_table):
             if self.ref_count[b] <= 0:
                 raise RuntimeError(f"double free of KV block {b}")

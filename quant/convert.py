@@ -36,7 +36,7 @@ from edgeserve.units import format_size
 
 BITS = (4, 8, 16)
 KEEP_EMBEDDINGS_BITS = (8, 16)
-DEFAULT_GROUP_SIZE = 64  # mlx-lm's default, for tensors whose source grouping cannot carry over
+DEFAULT_GROUP_SIZE = 64  # mlx-lm's default, for float sources
 MAX_SHARD_BYTES = 5 * 10**9  # mlx-lm's shard size
 EMBEDDING_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -131,7 +131,7 @@ def convert(
 
 
 def plan_conversion(model: LoadedModel, bits: int, group_size: int | None, keep_embeddings: int) -> list[TensorPlan]:
-    """Decide width, group size and carry-over for every weight; raise before anything is written."""
+    """Decide width, group size and action for every weight; raise before anything is written."""
     plans = []
     for name, w in model.weights.items():
         if not isinstance(w, QuantizedTensor) and not np.issubdtype(w.dtype, np.floating):
@@ -290,7 +290,8 @@ def _check_options(bits: int, group_size: int | None, keep_embeddings: int) -> N
     if bits not in BITS:
         raise ConvertError(f"unsupported width {bits} bits (choose from {', '.join(map(str, BITS))})")
     if group_size is not None and group_size not in SUPPORTED_GROUP_SIZES:
-        raise ConvertError(f"unsupported group size {group_size} (choose from {', '.join(map(str, SUPPORTED_GROUP_SIZES))})")
+        choices = ", ".join(map(str, SUPPORTED_GROUP_SIZES))
+        raise ConvertError(f"unsupported group size {group_size} (choose from {choices})")
     if keep_embeddings not in KEEP_EMBEDDINGS_BITS:
         raise ConvertError(f"unsupported embedding width {keep_embeddings} bits (choose from 8, 16)")
 

@@ -203,13 +203,14 @@ class NumpyBackend:
             out[meta.decode_rows] = _softmax_av(qd @ k + meta.decode_mask, v).reshape(d, n_heads, hd)
         for chunk in meta.prefills:
             c = chunk.context_len
+            n = chunk.rows.stop - chunk.rows.start
             k = k_cache[chunk.blocks].reshape(-1, n_kv, hd)[:c].transpose(1, 2, 0)  # [kv, hd, c]
             v = v_cache[chunk.blocks].reshape(-1, n_kv, hd)[:c].transpose(1, 0, 2)  # [kv, c, hd]
-            n = chunk.rows.stop - chunk.rows.start
-            qc = (q[chunk.rows] * scale).reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3)  # [kv, g, n, hd]
-            scores = qc @ k[:, None] + chunk.mask  # [kv, g, n, c]
-            o = _softmax_av(scores, v[:, None])  # [kv, g, n, hd]
-            out[chunk.rows] = o.transpose(2, 0, 1, 3).reshape(n, n_heads, hd)
+            # one [group * n, hd] matrix per KV head, so each product is a plain BLAS GEMM
+            qc = (q[chunk.rows] * scale).reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * n, hd)
+            scores = (qc @ k).reshape(n_kv, group, n, c) + chunk.mask
+            o = _softmax_av(scores.reshape(n_kv, group * n, c), v)  # [kv, g * n, hd]
+            out[chunk.rows] = o.reshape(n_kv, group, n, hd).transpose(2, 0, 1, 3).reshape(n, n_heads, hd)
         return out
 
 
