@@ -140,10 +140,12 @@ def pull(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
                 print(f"pulling {name} from {source_name}", file=sys.stderr)
                 fetched = fetch(entry, Path(tmp))
             except (OSError, KeyError, StopIteration, zipfile.BadZipFile) as exc:
+                print(f"{source_name} unavailable: {exc}", file=sys.stderr)
                 failures.append(f"{source_name}: {exc}")
                 continue
             digest = sha256_of(fetched)
             if digest != entry.sha256:
+                print(f"{source_name}: sha256 mismatch, discarded", file=sys.stderr)
                 failures.append(f"{source_name}: sha256 mismatch ({digest} != {entry.sha256})")
                 continue
             staged = Path(tmp) / (".staged-" + entry.filename)
