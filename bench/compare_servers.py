@@ -5,6 +5,7 @@ concurrent streaming clients, and stopped. llama-cpp-python is not a dependency 
 install it for this only (`pip install 'llama-cpp-python[server]'`).
 
     python bench/compare_servers.py --requests 48 --concurrency 16
+    python bench/compare_servers.py --requests 32 --concurrency 16 --uniform 64 128
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 import click
 import httpx
 
-from edgeserve.bench import mixed_workload
+from edgeserve.bench import mixed_workload, uniform_workload
 from edgeserve.bench_http import run_http_bench
 from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.models.gguf_file import read_gguf
@@ -54,18 +55,25 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> Non
 @click.option("--concurrency", default=16, show_default=True)
 @click.option("--max-prompt", default=256, show_default=True)
 @click.option("--max-output", default=128, show_default=True)
+@click.option("--uniform", type=(int, int), default=None, metavar="PROMPT OUTPUT",
+              help="Every request PROMPT tokens in, OUTPUT tokens out (instead of the mixed workload).")
 @click.option("--threads", default=os.cpu_count(), show_default=True, help="llama.cpp threads.")
 @click.option("--kv-memory", default="1GiB", show_default=True, help="edgeserve KV pool.")
-def main(model: str, num_requests: int, concurrency: int, max_prompt: int, max_output: int, threads: int,
-         kv_memory: str) -> None:
+def main(model: str, num_requests: int, concurrency: int, max_prompt: int, max_output: int,
+         uniform: tuple[int, int] | None, threads: int, kv_memory: str) -> None:
     gguf = str(resolve_model(model))
     tokenizer = Tokenizer.from_gguf(read_gguf(gguf).metadata)
-    work = mixed_workload(tokenizer, n=num_requests, max_prompt=max_prompt, max_output=max_output)
+    if uniform:
+        work = uniform_workload(tokenizer, num_requests, *uniform)
+    else:
+        work = mixed_workload(tokenizer, n=num_requests, max_prompt=max_prompt, max_output=max_output)
     servers = {
         "edgeserve": [sys.executable, "-c", "from edgeserve.cli.main import cli; cli()", "serve", "--model", gguf,
                       "--backend", "numpy", "--kv-memory", kv_memory],
+        # By default it cuts off the running request whenever another arrives; let each finish.
         "llama-cpp-python": [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_ctx", "8192",
-                             "--n_threads", str(threads), "--n_threads_batch", str(threads)],
+                             "--n_threads", str(threads), "--n_threads_batch", str(threads),
+                             "--interrupt_requests", "False"],
     }
     rows = []
     for name, command in servers.items():
@@ -82,7 +90,7 @@ def main(model: str, num_requests: int, concurrency: int, max_prompt: int, max_o
             proc.wait(timeout=30)
         rows.append({"server": name, **result.summary()})
         click.echo(json.dumps(rows[-1]))
-    keys = ["server", "requests", "output_tokens", "wall_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
+    keys = ["server", "requests", "output_tokens", "requested_output_tokens", "wall_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
             "tpot_p50_s", "tpot_p99_s"]
     click.echo("\n" + " | ".join(keys))
     for row in rows:

@@ -6,7 +6,9 @@ import ipaddress
 import logging
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import click
 import uvicorn
@@ -24,6 +26,18 @@ def served_model_name(model: str) -> str:
     if model in CATALOG or not path.exists():
         return model
     return path.stem if path.is_file() else path.name
+
+
+class _UvicornServer(uvicorn.Server):
+    """On Ctrl-C, ends the open streams first, so shutdown does not wait on them or cut them off."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
 
 
 def _is_loopback(host: str) -> bool:
@@ -69,8 +83,8 @@ def serve(model: str, backend: str, kv_memory: str, host: str, port: int, api_ke
         click.echo(f"warning: listening on {host} without an API key; anyone who can reach it can use it", err=True)
     address = f"[{host}]" if ":" in host else host
     click.echo(f"serving {name} at http://{address}:{sock.getsockname()[1]}/v1 (Ctrl-C stops)")
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        _UvicornServer(config, app.state.server.abort_all).run(sockets=[sock])
     finally:
         aengine.shutdown()

@@ -31,3 +31,31 @@ class Batch:
     @property
     def query_lens(self) -> np.ndarray:
         return np.diff(self.query_start)
+
+    def decode_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows of the single-token (decode) sequences, their block tables cut to the longest context,
+        and which slots of those tables hold context ([D, blocks * block_size] bool)."""
+        dec = np.flatnonzero(self.query_lens == 1)
+        ctx = self.context_lens[dec]
+        max_blocks = int(-(-ctx.max() // self.block_size)) if len(dec) else 0
+        valid = np.arange(max_blocks * self.block_size)[None, :] < ctx[:, None]
+        return self.query_start[dec], self.block_tables[dec, :max_blocks], valid
+
+    def prefill_chunks(self) -> list[PrefillChunkLayout]:
+        """The multi-token (prefill) chunks, each with its causal mask against its whole context."""
+        chunks = []
+        for s in np.flatnonzero(self.query_lens > 1):
+            n, c, start = int(self.query_lens[s]), int(self.context_lens[s]), int(self.query_start[s])
+            first = c - n  # position of the chunk's first row
+            masked = np.arange(c)[None, :] > (first + np.arange(n))[:, None]
+            chunks.append(PrefillChunkLayout(start, n, self.block_tables[s, : -(-c // self.block_size)], c, masked))
+        return chunks
+
+
+@dataclass
+class PrefillChunkLayout:
+    start: int  # first row in the batch
+    length: int
+    blocks: np.ndarray  # the sequence's blocks covering context_len
+    context_len: int
+    masked: np.ndarray  # [length, context_len] bool: True where causality hides a key from a row

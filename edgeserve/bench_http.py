@@ -44,7 +44,9 @@ async def run_http_bench(url: str, requests: list[BenchRequest], concurrency: in
                 raise EdgeserveError(f"cannot reach {base}: {exc}") from exc
             wall = time.perf_counter() - start
     ordered = [timings[i] for i in range(len(requests))]
-    return BenchResult(f"http {base}", ordered, wall, {"concurrency": concurrency})
+    # A server that stops early (ignoring ignore_eos/min_tokens) shows here as fewer output tokens.
+    extra = {"concurrency": concurrency, "requested_output_tokens": sum(r.max_tokens for r in requests)}
+    return BenchResult(f"http {base}", ordered, wall, extra)
 
 
 async def _timed_request(client: httpx.AsyncClient, model: str, req: BenchRequest,

@@ -55,6 +55,7 @@ class _Server:
         self.api_key = api_key
         self.max_queue = max_queue
         self.in_flight = 0  # engine requests submitted through this server and not yet ended
+        self.live: set[Generation] = set()
         self.metrics = ServerMetrics()
         self.started = int(time.time())
 
@@ -103,11 +104,23 @@ class _Server:
                 seeded = params if body.seed is None else dataclasses.replace(params, seed=body.seed + i)
                 choices.append(Choice(index, f"{response_id}-{index}", ids, seeded))
         self.in_flight += count
-        return Generation(self.aengine, response_id, choices, body.n, sum(len(ids) for ids in prompts), body.stream,
-                          self.account)
+        gen = Generation(self.aengine, response_id, choices, body.n, sum(len(ids) for ids in prompts), body.stream,
+                         self.account)
+        self.live.add(gen)
+        return gen
+
+    def abort_all(self) -> None:
+        """End every running request now (finish_reason "abort"), e.g. when the server shuts down.
+
+        Safe to call from a signal handler: it only queues aborts for the engine thread.
+        """
+        for gen in list(self.live):
+            for choice in gen.choices:
+                self.aengine.abort(choice.request_id)
 
     def account(self, gen: Generation) -> None:
         """Called once when every choice of a request has ended."""
+        self.live.discard(gen)
         self.in_flight -= len(gen.choices)
         m = self.metrics
         m.prompt_tokens += gen.prompt_tokens

@@ -42,36 +42,23 @@ class ReferenceMeta:
 
 def prepare_reference(batch: Batch) -> ReferenceMeta:
     """The block lists, masks and row order the reference needs for this batch."""
-    bs = batch.block_size
-    qlens = batch.query_lens
-    starts = batch.query_start[:-1]
-    dec = np.flatnonzero(qlens == 1)
-    ctx = batch.context_lens[dec]
-    max_blocks = int(-(-ctx.max() // bs)) if len(dec) else 0
-    span = np.arange(max_blocks * bs)
-    decode_mask = np.where(span[None, :] < ctx[:, None], 0.0, MASKED).astype(np.float32)
-    prefills = []
-    order = [starts[dec]]
-    for s in np.flatnonzero(qlens > 1):
-        n, c, start = int(qlens[s]), int(batch.context_lens[s]), int(starts[s])
-        first = c - n  # position of the chunk's first row
-        causal = np.arange(c)[None, :] > (first + np.arange(n))[:, None]
-        prefills.append(
-            PrefillChunk(
-                start=start,
-                length=n,
-                blocks=mx.array(batch.block_tables[s, : -(-c // bs)].astype(np.int32)),
-                context_len=c,
-                mask=mx.array(np.where(causal, MASKED, 0.0).astype(np.float32)),
-            )
+    rows, blocks, valid = batch.decode_layout()
+    prefills = [
+        PrefillChunk(
+            start=c.start,
+            length=c.length,
+            blocks=mx.array(c.blocks.astype(np.int32)),
+            context_len=c.context_len,
+            mask=mx.array(np.where(c.masked, MASKED, 0.0).astype(np.float32)),
         )
-        order.append(np.arange(start, start + n))
-    concatenated_rows = np.concatenate(order)
+        for c in batch.prefill_chunks()
+    ]
+    concatenated_rows = np.concatenate([rows] + [np.arange(c.start, c.start + c.length) for c in prefills])
     return ReferenceMeta(
-        decode_rows=mx.array(starts[dec].astype(np.int32)),
-        decode_blocks=mx.array(batch.block_tables[dec, :max_blocks].astype(np.int32)),
-        decode_mask=mx.array(decode_mask[:, None, None, :]),
-        num_decode=len(dec),
+        decode_rows=mx.array(rows.astype(np.int32)),
+        decode_blocks=mx.array(blocks.astype(np.int32)),
+        decode_mask=mx.array(np.where(valid, 0.0, MASKED).astype(np.float32)[:, None, None, :]),
+        num_decode=len(rows),
         prefills=prefills,
         row_order=mx.array(np.argsort(concatenated_rows).astype(np.int32)),
     )

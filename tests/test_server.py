@@ -19,6 +19,7 @@ import openai
 import pytest
 import uvicorn
 from click.testing import CliRunner
+from fastapi import FastAPI
 
 from edgeserve.async_engine import AsyncEngine
 from edgeserve.bench import uniform_workload
@@ -39,7 +40,8 @@ IGNORE_EOS = {"ignore_eos": True}  # an extension (vLLM and llama.cpp have it to
 class _ServerThread:
     """uvicorn serving `app` on a free loopback port, in a background thread."""
 
-    def __init__(self, app: object):
+    def __init__(self, app: FastAPI):
+        self.app = app
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -69,10 +71,15 @@ def model_name(model_path) -> str:
 
 
 @pytest.fixture(scope="module")
-def url(engine: AsyncEngine, model_name: str) -> Iterator[str]:
+def main_server(engine: AsyncEngine, model_name: str) -> Iterator[_ServerThread]:
     server = _ServerThread(create_app(engine, model_name))
-    yield server.url
+    yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def url(main_server: _ServerThread) -> str:
+    return main_server.url
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +301,17 @@ def test_hanging_up_on_a_non_streaming_request_aborts_it(url: str, model_name: s
         wait_until(lambda: metric(url, "edgeserve_requests_running") == 1)
     # Left alone it would run for 2000 tokens.
     wait_until(lambda: no_blocks_in_use(url))
+
+
+def test_shutdown_ends_open_streams(main_server: _ServerThread, client: openai.OpenAI, model_name: str) -> None:
+    stream = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=2000,
+                                       extra_body=IGNORE_EOS, stream=True)
+    first = next(iter(stream))
+    main_server.app.state.server.abort_all()  # what Ctrl-C on `edgeserve serve` does before stopping
+    rest = list(stream)  # ends: the server closed it with [DONE]
+    assert [c.choices[0].finish_reason for c in [first, *rest]][-1] == "abort"
+    assert len(rest) < 100
+    wait_until(lambda: no_blocks_in_use(main_server.url))
 
 
 # bad input, limits, keys ------------------------------------------------------

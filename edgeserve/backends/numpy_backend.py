@@ -108,36 +108,21 @@ class NumpyBackend:
 
     def batch_meta(self, batch: Batch, rope: tuple[np.ndarray, np.ndarray]) -> NumpyMeta:
         cos, sin = rope
-        bs = batch.block_size
-        qlens = batch.query_lens
-        starts = batch.query_start[:-1]
-        dec = np.flatnonzero(qlens == 1)
-        ctx = batch.context_lens[dec]
-        max_blocks = int(-(-ctx.max() // bs)) if len(dec) else 0
-        span = np.arange(max_blocks * bs)
-        decode_mask = np.where(span[None, :] < ctx[:, None], 0.0, NEG_INF).astype(np.float32)
-        prefills = []
-        for s in np.flatnonzero(qlens > 1):
-            n, c = int(qlens[s]), int(batch.context_lens[s])
-            first = c - n  # position of the chunk's first row
-            causal = np.arange(c)[None, :] > (first + np.arange(n))[:, None]
-            prefills.append(
-                PrefillChunk(
-                    rows=slice(int(starts[s]), int(starts[s]) + n),
-                    blocks=batch.block_tables[s, : -(-c // bs)],
-                    context_len=c,
-                    mask=np.where(causal, NEG_INF, 0.0).astype(np.float32),
-                )
-            )
+        rows, blocks, valid = batch.decode_layout()
+        prefills = [
+            PrefillChunk(slice(c.start, c.start + c.length), c.blocks, c.context_len,
+                         np.where(c.masked, NEG_INF, 0.0).astype(np.float32))
+            for c in batch.prefill_chunks()
+        ]
         return NumpyMeta(
             token_ids=batch.token_ids,
             slot_mapping=batch.slot_mapping,
             logits_indices=batch.logits_indices,
             cos=cos[batch.positions][:, None, :],
             sin=sin[batch.positions][:, None, :],
-            decode_rows=starts[dec],
-            decode_blocks=batch.block_tables[dec, :max_blocks],
-            decode_mask=decode_mask[:, None, None, :],
+            decode_rows=rows,
+            decode_blocks=blocks,
+            decode_mask=np.where(valid, 0.0, NEG_INF).astype(np.float32)[:, None, None, :],
             prefills=prefills,
         )
 
