@@ -90,8 +90,8 @@ def main(model: str, num_requests: int, concurrency: int, max_prompt: int, max_o
             proc.wait(timeout=30)
         rows.append({"server": name, **result.summary()})
         click.echo(json.dumps(rows[-1]))
-    keys = ["server", "requests", "output_tokens", "requested_output_tokens", "wall_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
-            "tpot_p50_s", "tpot_p99_s"]
+    keys = ["server", "requests", "output_tokens", "requested_output_tokens", "wall_s", "output_tokens_per_s",
+            "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"]
     click.echo("\n" + " | ".join(keys))
     for row in rows:
         click.echo(" | ".join(str(row[k]) for k in keys))

@@ -11,7 +11,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from urllib.parse import urlparse
 
 import httpx
@@ -116,7 +116,7 @@ def metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def wait_until(condition, timeout: float = 10.0) -> None:
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
@@ -237,7 +237,8 @@ async def test_async_client_chat_and_text(aclient: openai.AsyncOpenAI, client: o
     whole = await aclient.chat.completions.create(**kwargs)
     stream = await aclient.chat.completions.create(**kwargs, stream=True)
     text = "".join([c.choices[0].delta.content or "" async for c in stream])
-    assert text == whole.choices[0].message.content == client.chat.completions.create(**kwargs).choices[0].message.content
+    sync = client.chat.completions.create(**kwargs)
+    assert text == whole.choices[0].message.content == sync.choices[0].message.content
     done = await aclient.completions.create(model=model_name, prompt="Hello, my name is", max_tokens=5,
                                             temperature=0, extra_body=IGNORE_EOS)
     stream = await aclient.completions.create(model=model_name, prompt="Hello, my name is", max_tokens=5,
