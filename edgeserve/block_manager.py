@@ -139,7 +139,3 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
-
-    def owner_map(self) -> list[int]:
-        """Reference count of every block (0 = free or cached), for displays of the pool."""
-        return list(self.ref_count)

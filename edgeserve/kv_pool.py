@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from edgeserve.models.llama import ModelArgs
 
 
@@ -52,6 +50,3 @@ class KVPool:
         """Store this step's K/V rows at their slots (backends with immutable arrays return new ones)."""
         self.k[layer] = self.backend.write_kv(self.k[layer], k, meta)
         self.v[layer] = self.backend.write_kv(self.v[layer], v, meta)
-
-    def block_contents(self, layer: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-        return np.asarray(self.k[layer][block]), np.asarray(self.v[layer][block])

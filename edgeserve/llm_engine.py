@@ -106,8 +106,7 @@ class LLMEngine:
         if weights == "auto":
             weights = choose_weights_mode(model, available_memory_bytes())
         self.backend = get_backend(backend, weights=weights)
-        kv_bytes = self.backend.kv_dtype_bytes if hasattr(self.backend, "kv_dtype_bytes") else 4
-        self.pool_size = size_pool(model.args, kv_budget_bytes(kv_memory), block_size, kv_bytes)
+        self.pool_size = size_pool(model.args, kv_budget_bytes(kv_memory), block_size, self.backend.kv_dtype_bytes)
         self.runner = ModelRunner(model, self.backend, self.pool_size)
         self.block_manager = BlockManager(self.pool_size.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, static_batching)

@@ -75,10 +75,6 @@ class ModelArgs:
         config.update(self.extra)
         return config
 
-    @property
-    def kv_bytes_per_token_per_dtype_byte(self) -> int:
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
-
 
 def rope_inv_freq(args: ModelArgs) -> np.ndarray:
     """Inverse frequencies, with Llama 3 style scaling where the config asks for it."""

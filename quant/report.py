@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeserve.kv_pool import kv_bytes_per_token
 from edgeserve.llm_engine import LLMEngine
 from edgeserve.models.loader import LoadedModel, load_folder
 from edgeserve.quant.convert import ConversionResult
@@ -51,7 +52,7 @@ def model_perplexity(
 ) -> tuple[PerplexityResult, str]:
     """Perplexity of a loaded model on a text, and the name of the backend that computed it."""
     # The KV pool needs one window (plus a block of slack) at float32, the widest KV dtype.
-    kv_bytes = 4 * model.args.kv_bytes_per_token_per_dtype_byte * (ctx + 64)
+    kv_bytes = kv_bytes_per_token(model.args, 4) * (ctx + 64)
     engine = LLMEngine(model, backend=backend, kv_memory=kv_bytes)
     return text_perplexity(engine, text, ctx, progress=progress), engine.backend.name
 

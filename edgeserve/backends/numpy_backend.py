@@ -82,6 +82,7 @@ class NumpyMeta:
 class NumpyBackend:
     name = "numpy"
     kv_dtype = np.float32
+    kv_dtype_bytes = np.dtype(kv_dtype).itemsize
     kv_dtype_bytes = 4
 
     def __init__(self, weights: str = "float32"):
