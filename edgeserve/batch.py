@@ -59,3 +59,32 @@ class PrefillChunkLayout:
     blocks: np.ndarray  # the sequence's blocks covering context_len
     context_len: int
     masked: np.ndarray  # [length, context_len] bool: True where causality hides a key from a row
+
+
+def random_paged_batch(contexts: list[int], query_lens: list[int], block_size: int, rng: np.random.Generator,
+                       spare_blocks: int = 0) -> tuple[Batch, int]:
+    """A ragged batch whose sequences hold shuffled blocks of a pool (for attention tests and benchmarks).
+
+    Returns the batch and the pool's block count (the blocks used plus spare_blocks nobody holds).
+    """
+    blocks_per_seq = [-(-c // block_size) for c in contexts]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = rng.permutation(num_blocks)
+    tables = np.zeros((len(contexts), max(blocks_per_seq)), dtype=np.int64)
+    used = 0
+    for s, n in enumerate(blocks_per_seq):
+        tables[s, :n] = perm[used : used + n]
+        used += n
+    positions = np.concatenate([np.arange(c - n, c) for c, n in zip(contexts, query_lens)])
+    seq_of_row = np.repeat(np.arange(len(contexts)), query_lens)
+    batch = Batch(
+        token_ids=np.zeros(len(positions), dtype=np.int64),
+        positions=positions,
+        slot_mapping=tables[seq_of_row, positions // block_size] * block_size + positions % block_size,
+        query_start=np.concatenate([[0], np.cumsum(query_lens)]),
+        context_lens=np.asarray(contexts),
+        block_tables=tables,
+        logits_indices=np.zeros(0, dtype=np.int64),
+        block_size=block_size,
+    )
+    return batch, num_blocks

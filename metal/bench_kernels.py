@@ -22,7 +22,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from edgeserve.batch import Batch
+from edgeserve.batch import random_paged_batch
 from edgeserve.metal.dispatch import ENV_VAR, kernel_platform
 from edgeserve.metal.kernels import kernel_paged_attention, prepare_kernel
 from edgeserve.metal.reference import prepare_reference, reference_paged_attention
@@ -30,29 +30,6 @@ from edgeserve.metal.reference import prepare_reference, reference_paged_attenti
 # SmolLM2-135M's attention: 9 query heads over 3 KV heads of 64, 30 layers.
 N_HEADS, N_KV, HEAD_DIM, LAYERS = 9, 3, 64, 30
 BLOCK_SIZE = 16
-
-
-def _batch(contexts: list[int], query_lens: list[int], rng: np.random.Generator) -> tuple[Batch, int]:
-    blocks = [-(-c // BLOCK_SIZE) for c in contexts]
-    num_blocks = sum(blocks)
-    perm = rng.permutation(num_blocks)
-    tables = np.zeros((len(contexts), max(blocks)), dtype=np.int64)
-    used = 0
-    for s, n in enumerate(blocks):
-        tables[s, :n] = perm[used : used + n]
-        used += n
-    positions = np.concatenate([np.arange(c - n, c) for c, n in zip(contexts, query_lens)])
-    batch = Batch(
-        token_ids=np.zeros(len(positions), dtype=np.int64),
-        positions=positions,
-        slot_mapping=np.zeros(len(positions), dtype=np.int64),
-        query_start=np.concatenate([[0], np.cumsum(query_lens)]),
-        context_lens=np.asarray(contexts),
-        block_tables=tables,
-        logits_indices=np.zeros(0, dtype=np.int64),
-        block_size=BLOCK_SIZE,
-    )
-    return batch, num_blocks
 
 
 def _time_layers(op: Callable[[int], mx.array], repeats: int = 5) -> float:
@@ -72,7 +49,7 @@ def bench_attention(platform: str, dtype: Any) -> list[dict]:
     cases += [("prefill", 1, c, [c], [512]) for c in (512, 2048)]
     rows = []
     for kind, seqs, context, contexts, query_lens in cases:
-        batch, num_blocks = _batch(contexts, query_lens, rng)
+        batch, num_blocks = random_paged_batch(contexts, query_lens, BLOCK_SIZE, rng)
         pools = [
             (mx.random.normal((num_blocks, BLOCK_SIZE, N_KV, HEAD_DIM)).astype(dtype),
              mx.random.normal((num_blocks, BLOCK_SIZE, N_KV, HEAD_DIM)).astype(dtype))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edgeserve.backends.numpy_backend import NumpyBackend
-from edgeserve.batch import Batch
+from edgeserve.batch import Batch, random_paged_batch
 from edgeserve.llm_engine import LLMEngine
 from edgeserve.sampling_params import SamplingParams
 
@@ -35,28 +35,8 @@ def random_case(seed: int, block_size: int, n_kv: int, group: int, head_dim: int
     rng = np.random.default_rng(seed)
     contexts = [1, max_context, *rng.integers(2, max_context, size=4).tolist()]
     query_lens = [1 if i % 3 else min(c, int(rng.integers(2, 48))) for i, c in enumerate(contexts)]
-    blocks_per_seq = [-(-c // block_size) for c in contexts]
-    num_blocks = sum(blocks_per_seq) + 3
-    perm = rng.permutation(num_blocks)
-    tables = np.zeros((len(contexts), max(blocks_per_seq)), dtype=np.int64)
-    used = 0
-    for s, n in enumerate(blocks_per_seq):
-        tables[s, :n] = perm[used : used + n]
-        used += n
-    positions = np.concatenate([np.arange(c - n, c) for c, n in zip(contexts, query_lens)])
-    seq_of_row = np.repeat(np.arange(len(contexts)), query_lens)
-    slots = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
-    batch = Batch(
-        token_ids=np.zeros(len(positions), dtype=np.int64),
-        positions=positions,
-        slot_mapping=slots,
-        query_start=np.concatenate([[0], np.cumsum(query_lens)]),
-        context_lens=np.asarray(contexts),
-        block_tables=tables,
-        logits_indices=np.zeros(0, dtype=np.int64),
-        block_size=block_size,
-    )
-    q = rng.standard_normal((len(positions), n_kv * group, head_dim)).astype(np.float32) * 3.0  # peaked softmax
+    batch, num_blocks = random_paged_batch(contexts, query_lens, block_size, rng, spare_blocks=3)
+    q = rng.standard_normal((len(batch.positions), n_kv * group, head_dim)).astype(np.float32) * 3.0  # peaked softmax
     k = rng.standard_normal((num_blocks, block_size, n_kv, head_dim)).astype(np.float32)
     v = rng.standard_normal((num_blocks, block_size, n_kv, head_dim)).astype(np.float32)
     return batch, q, k, v
