@@ -62,7 +62,7 @@ async def engine_state(aengine: AsyncEngine) -> tuple[list[str], list[tuple[str,
 
 
 async def test_three_sessions_stream_at_once_and_hold_blocks_in_the_kv_map(aengine):
-    app = tui(EngineChatBackend(aengine), max_tokens=12)
+    app = tui(EngineChatBackend(aengine), max_tokens=40)
     async with app.run_test(size=(160, 45)) as pilot:
         await pilot.press("ctrl+n", "ctrl+n")
         sessions = app.sessions
@@ -81,11 +81,11 @@ async def test_three_sessions_stream_at_once_and_hold_blocks_in_the_kv_map(aengi
 
         # the first answer is the longest, and the others start while it streams: they find the
         # blocks of the prompt start they have in common with it in the prefix cache, and share them
-        await send(pilot, sessions[0], "/set max_tokens 24")
+        await send(pilot, sessions[0], "/set max_tokens 120")  # long enough to overlap on a fast machine
         await send(pilot, sessions[0], LONG_PROMPT)
         await wait_until(pilot, lambda: sessions[0].streamed_tokens >= 1, "the first answer streams")
-        await send(pilot, sessions[1], "What is 2+2?")
-        await send(pilot, sessions[2], "Name a colour.")
+        await send(pilot, sessions[1], "Write a poem about the sea.")  # answers that take a while,
+        await send(pilot, sessions[2], "Describe a forest in detail.")  # so the three overlap
         await wait_until(pilot, watch, "the three answers finish")
 
         assert together, "never saw the three sessions running together, each holding KV blocks"
@@ -188,7 +188,7 @@ def serving(app) -> Iterator[str]:
 async def test_a_session_streams_from_a_server(aengine, edgeserve_server):
     server_app = create_app(aengine, "smollm2-135m-instruct")
     with serving(server_app if edgeserve_server else without_edgeserve_extras(server_app)) as url:
-        app = tui(RemoteChatBackend(url), max_tokens=6)
+        app = tui(RemoteChatBackend(url), max_tokens=48)  # streams long enough for a KV-map poll to see it
         async with app.run_test(size=(160, 45)) as pilot:
             pane, kv_map = app.sessions[0], app.query_one(KVMap)
             assert app.backend.model_name == "smollm2-135m-instruct"
@@ -198,7 +198,7 @@ async def test_a_session_streams_from_a_server(aengine, edgeserve_server):
                 holders.update(app.colour_of(owner) for owner in kv_map.owners())
                 return not pane.answering
 
-            await send(pilot, pane, "Hi!")
+            await send(pilot, pane, LONG_PROMPT)
             await wait_until(pilot, done, "the answer finishes")
 
             assert pane.conversation.turns[-1]["content"].strip()
