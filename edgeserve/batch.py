@@ -34,12 +34,11 @@ class Batch:
 
     def decode_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows of the single-token (decode) sequences, their block tables cut to the longest context,
-        and which slots of those tables hold context ([D, blocks * block_size] bool)."""
+        and their context lengths."""
         dec = np.flatnonzero(self.query_lens == 1)
         ctx = self.context_lens[dec]
         max_blocks = int(-(-ctx.max() // self.block_size)) if len(dec) else 0
-        valid = np.arange(max_blocks * self.block_size)[None, :] < ctx[:, None]
-        return self.query_start[dec], self.block_tables[dec, :max_blocks], valid
+        return self.query_start[dec], self.block_tables[dec, :max_blocks], ctx
 
     def prefill_chunks(self) -> list[PrefillChunkLayout]:
         """The multi-token (prefill) chunks, each with its causal mask against its whole context."""

@@ -42,7 +42,8 @@ class ReferenceMeta:
 
 def prepare_reference(batch: Batch) -> ReferenceMeta:
     """The block lists, masks and row order the reference needs for this batch."""
-    rows, blocks, valid = batch.decode_layout()
+    rows, blocks, lens = batch.decode_layout()
+    valid = np.arange(blocks.shape[1] * batch.block_size)[None, :] < lens[:, None]
     prefills = [
         PrefillChunk(
             start=c.start,

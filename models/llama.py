@@ -109,7 +109,7 @@ class Llama:
         be = backend
         self.embed = be.embedding(weights["model.embed_tokens.weight"])
         head = weights.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else be.embedding(head)
+        self.lm_head = be.head(self.embed if head is None or args.tie_word_embeddings else be.embedding(head))
         self.norm = be.vector(weights["model.norm.weight"])
         self.layers = []
         for i in range(args.num_hidden_layers):

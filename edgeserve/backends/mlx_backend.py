@@ -108,6 +108,10 @@ class MLXBackend:
     def embedding(self, w: Any) -> Linear:
         return Linear([self._weight(w)])
 
+    def head(self, table: Linear) -> Linear:
+        """The output head: the embedding's own matrix, which serves both lookups and matmuls."""
+        return table
+
     def linear(self, parts: list[Any]) -> Linear:
         """Concatenate the rows of neighbouring parts stored alike, so q/k/v or gate/up is one matmul."""
         groups: list[list[Any]] = []
