@@ -195,6 +195,8 @@ class LLMEngine:
         st.last_batch_tokens = sum(item.num_new_tokens for item in scheduled)
         for item in scheduled:
             seq = item.seq
+            if item.padding:
+                continue
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 st.prompt_tokens_computed += min(item.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += item.num_new_tokens

@@ -27,7 +27,7 @@ class ModelRunner:
         starts = [0]
         for item in scheduled:
             seq, n = item.seq, item.num_new_tokens
-            first = seq.num_computed_tokens
+            first = item.first_position
             pos = np.arange(first, first + n)
             table = np.asarray(seq.block_table, dtype=np.int64)
             tokens.append(seq.token_ids[first : first + n])

@@ -3,6 +3,10 @@
 Running decodes go first, then prefill chunks under a per-step token budget, so a long prompt never
 stalls running streams. New requests are admitted only when blocks are free; when the pool runs
 out, the most recently arrived running sequence is preempted (its blocks freed, recomputed later).
+
+Static batching, kept to measure against, runs fixed batches as a naive padded-batch server does:
+a batch is admitted whole, and a sequence that finishes early keeps its place and its compute (a
+padding row that recomputes its last token) until the batch's longest sequence ends.
 """
 
 from __future__ import annotations
@@ -18,11 +22,16 @@ from edgeserve.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    padding: bool = False  # a finished sequence held in a static batch: its last token, recomputed
+
+    @property
+    def first_position(self) -> int:
+        return self.seq.num_computed_tokens - 1 if self.padding else self.seq.num_computed_tokens
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return not self.padding and self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 class Scheduler:
@@ -57,8 +66,11 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.is_prefilling):
             if seq not in self.running or budget == 0:
                 continue
-            if seq.is_finished:
-                continue  # finished inside its static batch, held until the batch ends
+            if seq.is_finished:  # held in its static batch
+                if seq.num_computed_tokens:
+                    out.append(ScheduledSeq(seq, 1, padding=True))
+                    budget -= 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.allocate_slots(seq, n):
                 victim = max(self.running, key=lambda s: s.arrival_time)

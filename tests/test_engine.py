@@ -133,12 +133,21 @@ def test_static_batching_holds_finished(loaded_model, prompts):
     long = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     requests = [("s0", prompts[0], short), ("l0", prompts[1], long), ("s1", prompts[2], short),
                 ("l1", prompts[3], long), ("late", prompts[4], short)]
-    order = []
+    order, batch_sizes, tokens = [], [], {rid: [] for rid, _, _ in requests}
     for rid, ids, p in requests:
         engine.add_request(ids, p, rid)
     while engine.has_unfinished():
-        order += [o.request_id for o in engine.step() if o.finished]
+        outputs = engine.step()
+        batch_sizes.append(engine.stats().last_batch_seqs)
+        order += [o.request_id for o in outputs if o.finished]
+        for o in outputs:
+            tokens[o.request_id] += o.token_ids
     assert order.index("late") > order.index("l0") and order.index("late") > order.index("l1")
+    # the short ones finish after 2 tokens but stay in the batch as padding rows until the long ones end
+    first_batch = batch_sizes[: batch_sizes.index(1)]
+    assert len(first_batch) >= long.max_tokens and set(first_batch) == {4}
+    # padding rows change nobody's output
+    assert tokens["l1"] == run_all(make_engine(loaded_model), {0: [("l1", prompts[3], long)]})["l1"]
     assert_no_leaks(engine)
 
 
