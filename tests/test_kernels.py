@@ -35,6 +35,8 @@ def random_case(seed: int, block_size: int, n_kv: int, group: int, head_dim: int
     rng = np.random.default_rng(seed)
     contexts = [1, max_context, *rng.integers(2, max_context, size=4).tolist()]
     query_lens = [1 if i % 3 else min(c, int(rng.integers(2, 48))) for i, c in enumerate(contexts)]
+    contexts.append(700)  # a long chunk in mid-context: several query tiles in the NumPy backend
+    query_lens.append(300)
     batch, num_blocks = random_paged_batch(contexts, query_lens, block_size, rng, spare_blocks=3)
     q = rng.standard_normal((len(batch.positions), n_kv * group, head_dim)).astype(np.float32) * 3.0  # peaked softmax
     k = rng.standard_normal((num_blocks, block_size, n_kv, head_dim)).astype(np.float32)
