@@ -123,7 +123,8 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, progr
             outputs = engine.step()
             now = time.perf_counter()
             running = engine.scheduler.running
-            if running and all(s.num_computed_tokens + 1 >= s.num_tokens for s in running):
+            stats = engine.stats()
+            if outputs and stats.last_batch_tokens == stats.last_batch_seqs:  # one new token each: pure decode
                 decode_time += now - t0
                 decode_tokens += len(outputs)
             slots = engine.block_manager.num_used * bs

@@ -120,6 +120,11 @@ class LLMEngine:
         self._recent: list[tuple[float, int]] = []  # (time, output tokens) per step
         self.chat_template = ChatTemplate.for_tokenizer(self.tokenizer)
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's logits (may exceed the tokenizer's vocabulary where the model pads it)."""
+        return self.model.args.vocab_size
+
     @classmethod
     def from_name(cls, name: str, **kwargs: Any) -> "LLMEngine":
         return cls(load_model(name), **kwargs)
@@ -151,6 +156,7 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
+        params.check_vocab(self.vocab_size)
         ids = self.tokenize_prompt(prompt)
         self.check_prompt(ids)
         request_id = request_id or f"req-{next(self._ids)}"

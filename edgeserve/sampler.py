@@ -13,8 +13,12 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def apply_penalties(logits: np.ndarray, seq: Sequence) -> np.ndarray:
-    """Repetition (over prompt and output, multiplicative), frequency and presence (over output)."""
+    """Logit bias, then repetition (over prompt and output, multiplicative), frequency and presence
+    (over output) penalties."""
     p = seq.params
+    if p.logit_bias:
+        ids = np.fromiter(p.logit_bias, dtype=np.int64)
+        logits[ids] += np.fromiter(p.logit_bias.values(), dtype=np.float64)
     if p.repetition_penalty != 1.0:
         seen = np.unique(np.asarray(seq.token_ids))
         vals = logits[seen]
@@ -50,7 +54,8 @@ def sample_row(logits: np.ndarray, seq: Sequence) -> int:
 
 def needs_processing(seq: Sequence) -> bool:
     p = seq.params
-    return not p.greedy or p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+    return (not p.greedy or p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+            or bool(p.logit_bias))
 
 
 def sample(logits: np.ndarray, seqs: list[Sequence]) -> list[int]:

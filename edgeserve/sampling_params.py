@@ -28,6 +28,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits, as OpenAI's
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,7 +51,15 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be between -2 and 2"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias", "values must be between -100 and 100"),
         ]
         for ok, param, message in checks:
             if not ok:
                 raise InvalidParamsError(f"{param} {message} (got {getattr(self, param)!r})", param)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidParamsError when logit_bias names a token the model does not have."""
+        outside = sorted(t for t in self.logit_bias if not 0 <= t < vocab_size)
+        if outside:
+            raise InvalidParamsError(f"logit_bias names token ids outside the vocabulary (0..{vocab_size - 1}): "
+                                     f"{outside[:5]}", "logit_bias")

@@ -90,6 +90,7 @@ class _Server:
         """Admit the request (or raise 429) and submit one engine request per prompt and choice."""
         try:
             params = body.sampling_params(max_tokens, logprobs)
+            params.check_vocab(self.engine.vocab_size)
         except InvalidParamsError as exc:
             raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
         count = len(prompts) * body.n

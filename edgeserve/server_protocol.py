@@ -48,9 +48,9 @@ class _GenerationRequest(_Body):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value and not all(k.isdigit() for k in value):
+            raise ValueError("logit_bias keys must be token ids, written as strings of digits")
         return value
 
     @property
@@ -73,6 +73,7 @@ class _GenerationRequest(_Body):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
         )
 
 

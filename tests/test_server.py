@@ -221,6 +221,17 @@ def test_penalties_reach_the_sampler(client: openai.OpenAI, model_name: str) -> 
     assert not client.completions.create(**kwargs, frequency_penalty=2.0).choices[0].text.startswith(" 5, 6, 7,")
 
 
+def test_logit_bias(client: openai.OpenAI, engine: AsyncEngine, model_name: str) -> None:
+    tok = engine.engine.tokenizer
+    kwargs = dict(model=model_name, prompt="1, 2, 3, 4,", max_tokens=4, temperature=0, extra_body=IGNORE_EOS)
+    first = tok.encode(client.completions.create(**kwargs).choices[0].text, add_bos=False)[0]
+    banned = client.completions.create(**kwargs, logit_bias={str(first): -100}).choices[0].text
+    assert tok.encode(banned, add_bos=False)[0] != first
+    banana = tok.encode(" banana", add_bos=False)[0]
+    forced = client.completions.create(**kwargs, logit_bias={str(banana): 100}).choices[0].text
+    assert forced == tok.decode([banana] * 4)
+
+
 def test_seed_and_n(client: openai.OpenAI, model_name: str) -> None:
     kwargs = dict(model=model_name, messages=chat("Tell me a story."), max_tokens=8, temperature=1.0, n=3)
     first = client.chat.completions.create(**kwargs, seed=1234)
@@ -334,7 +345,9 @@ GOOD_CHAT = {"messages": chat("hi"), "max_tokens": 2}
     ("/v1/chat/completions", {**GOOD_CHAT, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs",
      "invalid_value"),
     ("/v1/chat/completions", {**GOOD_CHAT, "stop": [""]}, 400, "stop", "invalid_value"),
-    ("/v1/chat/completions", {**GOOD_CHAT, "logit_bias": {"5": -100}}, 400, "logit_bias", "invalid_value"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "logit_bias": {"five": -100}}, 400, "logit_bias", "invalid_value"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "logit_bias": {"5": -101}}, 400, "logit_bias", "invalid_value"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "logit_bias": {"99999999": 5}}, 400, "logit_bias", "invalid_value"),
     ("/v1/chat/completions", {**GOOD_CHAT, "model": "gpt-4o"}, 404, "model", "model_not_found"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {"prompt": []}, 400, "prompt", "invalid_value"),
