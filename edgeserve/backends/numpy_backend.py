@@ -161,8 +161,12 @@ class NumpyBackend:
         return x[rows]
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-        inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
-        return (x * inv) * w
+        ss = np.einsum("ij,ij->i", x, x)  # one pass, no x * x temporary
+        ss *= np.float32(1.0 / x.shape[-1])
+        ss += np.float32(eps)
+        out = x * (1.0 / np.sqrt(ss))[:, None]
+        out *= w
+        return out
 
     def apply_rope(self, x: np.ndarray, meta: NumpyMeta) -> np.ndarray:
         half = x.shape[-1] // 2
