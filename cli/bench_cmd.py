@@ -44,8 +44,8 @@ def _print_table(title: str, runs: list[dict]) -> None:
 @click.option("--api-key", default=None, help="API key for --url.")
 @click.option("--served-model", default=None, help="Model name to send with --url (default: the server's first).")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON on stdout.")
-def bench_cmd(model: str, backend: str, kv_memory: str, workload: str, max_batch: int, num_requests: int,
-              max_output: int, seed: int, url: str | None, concurrency: int, api_key: str | None,
+def bench_cmd(model: str, backend: str, weights: str, kv_memory: str, workload: str, max_batch: int,
+              num_requests: int, max_output: int, seed: int, url: str | None, concurrency: int, api_key: str | None,
               served_model: str | None, as_json: bool) -> None:
     """Measure throughput, TTFT, time per output token, KV use and prefix-cache hits."""
     loaded = load_model(model)
@@ -61,7 +61,7 @@ def bench_cmd(model: str, backend: str, kv_memory: str, workload: str, max_batch
         return
 
     def engine(**kw: object) -> LLMEngine:
-        return LLMEngine(loaded, backend=backend, kv_memory=kv_memory, max_num_seqs=max_batch, **kw)
+        return LLMEngine(loaded, backend=backend, weights=weights, kv_memory=kv_memory, max_num_seqs=max_batch, **kw)
 
     results["backend"] = engine().backend.name
     print(f"{loaded.source.name} on {results['backend']}", file=sys.stderr)
@@ -74,13 +74,13 @@ def bench_cmd(model: str, backend: str, kv_memory: str, workload: str, max_batch
         requests = bench.mixed_workload(tok, num_requests, seed, max_output=max_output)
         cont = bench.run_engine(engine(), requests, "continuous").summary()
         static = bench.run_engine(engine(static_batching=True), requests, "static").summary()
-        results["mixed"] = {"continuous": cont, "static": static,
-                            "continuous_over_static": round(cont["output_tokens_per_s"] / static["output_tokens_per_s"], 2)}
+        ratio = round(cont["output_tokens_per_s"] / static["output_tokens_per_s"], 2)
+        results["mixed"] = {"continuous": cont, "static": static, "continuous_over_static": ratio}
     if workload in ("sweep", "all"):
         rows = []
         for n in SWEEP:
             requests = bench.uniform_workload(tok, n, 128, 128, seed)
-            e = LLMEngine(loaded, backend=backend, kv_memory=kv_memory, max_num_seqs=max(n, max_batch),
+            e = LLMEngine(loaded, backend=backend, weights=weights, kv_memory=kv_memory, max_num_seqs=max(n, max_batch),
                           max_num_batched_tokens=max(512, n))
             r = bench.run_engine(e, requests, f"{n} streams").summary()
             rows.append({"streams": n, "decode_tokens_per_s": r["decode_tokens_per_s"],

@@ -208,11 +208,11 @@ class ChatRepl:
 @click.option("--max-tokens", "-n", default=1024, show_default=True, help="Most tokens per answer.")
 @click.option("--context", type=click.IntRange(min=16), default=None,
               help="Limit the context to this many tokens (default: the model's).")
-def chat(model: str, backend: str, kv_memory: str, system: str | None, temperature: float, max_tokens: int,
-         context: int | None) -> None:
+def chat(model: str, backend: str, weights: str, kv_memory: str, system: str | None, temperature: float,
+         max_tokens: int, context: int | None) -> None:
     """Talk with a model in the terminal; the answer streams as it is generated."""
     conversation = Conversation(system=system, settings={"temperature": temperature, "max_tokens": max_tokens})
-    engine = build_engine(model, backend, kv_memory, max_model_len=context)
+    engine = build_engine(model, backend, kv_memory, weights, max_model_len=context)
     aengine = AsyncEngine(engine)
     try:
         asyncio.run(ChatRepl(EngineChatBackend(aengine), conversation).run())

@@ -9,15 +9,19 @@ from typing import Any
 import click
 
 from edgeserve.backends import BACKENDS
+from edgeserve.backends.numpy_backend import WEIGHT_MODES
 from edgeserve.llm_engine import DEFAULT_KV_MEMORY, LLMEngine
 from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.models.loader import load_model
 
 
 def model_options(f: Callable) -> Callable:
-    """--model, --backend, --kv-memory."""
+    """--model, --backend, --weights, --kv-memory."""
     f = click.option("--kv-memory", default=DEFAULT_KV_MEMORY, show_default=True,
                      help="KV pool size: 2GiB, 512MiB, or a fraction of free memory (0.25, 25%).")(f)
+    f = click.option("--weights", type=click.Choice(["auto", *WEIGHT_MODES]), default="auto", show_default=True,
+                     help="NumPy backend: float32 copies (fastest) or the quantized storage, dequantized "
+                          "per matmul (least memory); auto takes float32 where it fits.")(f)
     f = click.option("--backend", default="auto", show_default=True,
                      help=f"Array backend ({', '.join(BACKENDS)}): auto takes MLX on a GPU, NumPy on the CPU.")(f)
     f = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
@@ -31,5 +35,5 @@ def build_engine(model: str, backend: str, kv_memory: str, weights: str = "auto"
     loaded = load_model(model)
     engine = LLMEngine(loaded, backend=backend, weights=weights, kv_memory=kv_memory, **kwargs)
     if not quiet:
-        print(f"{loaded.source.name} on {engine.backend.name}; {engine.pool_size.describe()}", file=sys.stderr)
+        print(f"{loaded.source.name} on {engine.backend.describe()}; {engine.pool_size.describe()}", file=sys.stderr)
     return engine

@@ -30,8 +30,8 @@ async def _check(backend: ChatBackend) -> None:
 @click.option("--temperature", "-t", default=0.7, show_default=True, help="Temperature of new sessions; 0 is greedy.")
 @click.option("--max-tokens", "-n", default=1024, show_default=True, help="Most tokens per answer.")
 @click.pass_context
-def tui(ctx: click.Context, model: str, backend: str, kv_memory: str, url: str | None, api_key: str | None,
-        system: str | None, temperature: float, max_tokens: int) -> None:
+def tui(ctx: click.Context, model: str, backend: str, weights: str, kv_memory: str, url: str | None,
+        api_key: str | None, system: str | None, temperature: float, max_tokens: int) -> None:
     """Chat in several sessions side by side and watch the engine batch them (F1 lists the keys)."""
     settings = {"temperature": temperature, "max_tokens": max_tokens}
     SamplingParams(**settings)  # reject bad values before connecting or loading anything
@@ -42,7 +42,7 @@ def tui(ctx: click.Context, model: str, backend: str, kv_memory: str, url: str |
         chat_backend: ChatBackend = RemoteChatBackend(url, api_key, chosen)
         asyncio.run(_check(chat_backend))  # an unreachable server is one line of error, before the screen opens
     else:
-        aengine = AsyncEngine(build_engine(model, backend, kv_memory))
+        aengine = AsyncEngine(build_engine(model, backend, kv_memory, weights))
         chat_backend = EngineChatBackend(aengine)
     try:
         app = EdgeserveApp(chat_backend, system, settings)

@@ -51,7 +51,8 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be between -2 and 2"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
-            (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias", "values must be between -100 and 100"),
+            (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
+             "values must be between -100 and 100"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -109,6 +109,13 @@ def test_run_json(model_path):
     assert out["prompt_tokens"] > 10 and out["decode_tokens_per_s"] > 0 and out["ttft_s"] > 0
 
 
+def test_run_with_quantized_weights(model_path):
+    done = edgeserve_cli("run", "--model", str(model_path), "--backend", "numpy", "--weights", "quantized",
+                         "--kv-memory", "64MiB", "--max-tokens", "8", "What is the capital of France?")
+    assert done.returncode == 0, done.stderr
+    assert "numpy (quantized weights)" in done.stderr and "Paris" in done.stdout
+
+
 def _patch_tensor_type(src: Path, dst: Path, tensor: str, new_type: int) -> None:
     data = bytearray(src.read_bytes())
     name = tensor.encode()

@@ -83,6 +83,9 @@ class MLXBackend:
         self.attention = select_attention()
         self._written: list[mx.array] = []  # this step's pool arrays, evaluated with its logits
 
+    def describe(self) -> str:
+        return f"mlx on {mx.default_device().type.name} ({self.dtype} activations)"
+
     # weights ------------------------------------------------------------------
 
     def _float(self, w: Any) -> mx.array:

@@ -100,6 +100,9 @@ class NumpyBackend:
         _check_mode(weights)
         self.weights = weights
 
+    def describe(self) -> str:
+        return f"numpy ({self.weights} weights)"
+
     def vector(self, w: Any) -> np.ndarray:
         return as_float32(w)
 
