@@ -139,15 +139,15 @@ class Llama:
         n_q, n_kv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         meta = be.batch_meta(batch, self.rope)
         h = be.embed(self.embed, meta.token_ids)
-        q_end, k_end = n_q * hd, (n_q + n_kv) * hd
+        k_end = (n_q + n_kv) * hd
         for i, layer in enumerate(self.layers):
             x = be.rms_norm(h, layer["attn_norm"], a.rms_norm_eps)
             qkv = be.matmul(x, layer["qkv"])
             if layer["qkv_bias"] is not None:
                 qkv = qkv + layer["qkv_bias"]
             t = qkv.shape[0]
-            q = be.apply_rope(qkv[:, :q_end].reshape(t, n_q, hd), meta)
-            k = be.apply_rope(qkv[:, q_end:k_end].reshape(t, n_kv, hd), meta)
+            qk = be.apply_rope(qkv[:, :k_end].reshape(t, n_q + n_kv, hd), meta)  # q and k heads in one call
+            q, k = qk[:, :n_q], qk[:, n_q:]
             v = qkv[:, k_end:].reshape(t, n_kv, hd)
             kv.write(i, k, v, meta)
             o = be.paged_attention(q, kv.k[i], kv.v[i], meta)

@@ -6,7 +6,7 @@ their quantized storage and dequantized a block of rows at a time inside each ma
 matrices are stored transposed, [in, out]: OpenBLAS runs `x @ W` with few rows (decode) faster
 than `x @ W.T`.
 
-Decode rows attend through the compiled kernels of `cpu_kernels`; prefill chunks through BLAS
+Decode rows attend through the compiled kernel of `cpu_kernels`; prefill chunks through BLAS
 GEMMs, a tile of query rows at a time so the causal upper triangle is mostly skipped.
 """
 
@@ -52,9 +52,8 @@ def resident_weight_bytes(model: Any, mode: str) -> int:
             total += w.weight.nbytes + w.scales.nbytes + w.biases.nbytes
         else:
             total += 4 * int(np.prod(w.shape))
-    embed = model.weights["model.embed_tokens.weight"]
     if mode == "float32" and "lm_head.weight" not in model.weights:
-        total += 4 * int(np.prod(embed.shape))
+        total += 4 * int(np.prod(model.weights["model.embed_tokens.weight"].shape))
     return total
 
 
