@@ -34,7 +34,7 @@ def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, ou
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv
     probs = np.empty((n_heads, block_tables.shape[1] * block_size), np.float32)
-    acc = np.empty((n_heads, hd), np.float32)
+    acc = np.empty(hd, np.float32)
     for s in range(num_seqs):
         length = context_lens[s]
         qs = q[s] * scale
@@ -42,11 +42,13 @@ def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, ou
             block = k_cache[block_tables[s, b]]
             for off in range(min(block_size, length - b * block_size)):
                 t = b * block_size + off
-                for h in range(n_heads):
-                    dot = np.float32(0.0)
-                    for i in range(hd):
-                        dot += qs[h, i] * block[off, h // group, i]
-                    probs[h, t] = dot
+                for kv_head in range(n_kv):
+                    k_row = block[off, kv_head]
+                    for h in range(kv_head * group, (kv_head + 1) * group):
+                        dot = np.float32(0.0)
+                        for i in range(hd):
+                            dot += qs[h, i] * k_row[i]
+                        probs[h, t] = dot
         for h in range(n_heads):
             top = probs[h, 0]
             for t in range(1, length):
@@ -58,13 +60,15 @@ def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, ou
                 total += e
             for t in range(length):
                 probs[h, t] /= total
-        acc[:] = 0.0
-        for b in range((length + block_size - 1) // block_size):
-            block = v_cache[block_tables[s, b]]
-            for off in range(min(block_size, length - b * block_size)):
-                t = b * block_size + off
-                for h in range(n_heads):
-                    w = probs[h, t]
+        # one head at a time, so its accumulator stays in registers
+        for h in range(n_heads):
+            kv_head = h // group
+            acc[:] = 0.0
+            for b in range((length + block_size - 1) // block_size):
+                block = v_cache[block_tables[s, b]]
+                for off in range(min(block_size, length - b * block_size)):
+                    w = probs[h, b * block_size + off]
+                    v_row = block[off, kv_head]
                     for i in range(hd):
-                        acc[h, i] += w * block[off, h // group, i]
-        out[s] = acc
+                        acc[i] += w * v_row[i]
+            out[s, h] = acc

@@ -207,6 +207,8 @@ class NumpyBackend:
         n_kv = k_cache.shape[2]
         group = n_heads // n_kv
         scale = np.float32(1.0 / np.sqrt(hd))
+        if len(meta.decode_rows) == t:  # decode rows only: no rows to pick out and put back
+            return decode_attention(q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens)
         out = np.empty_like(q)
         if len(meta.decode_rows):
             out[meta.decode_rows] = decode_attention(q[meta.decode_rows], k_cache, v_cache, meta.decode_blocks,
