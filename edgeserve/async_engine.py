@@ -42,7 +42,9 @@ class AsyncEngine:
         target = self._streams.get(request_id)
         if target is not None:
             loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, out)
+            if not _post(loop, q.put_nowait, out):  # its consumer's event loop is gone: nobody reads on
+                self._streams.pop(request_id, None)
+                self.engine.abort(request_id)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -60,9 +62,10 @@ class AsyncEngine:
                 fn, loop, future = payload
                 try:
                     result = fn(self.engine)
-                    loop.call_soon_threadsafe(future.set_result, result)
                 except Exception as exc:
-                    loop.call_soon_threadsafe(future.set_exception, exc)
+                    _post(loop, future.set_exception, exc)
+                else:
+                    _post(loop, future.set_result, result)
             elif kind == "abort":
                 final = self.engine.abort(payload)
                 if final is not None:
@@ -125,3 +128,12 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
         self._wake.set()
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Any, arg: Any) -> bool:
+    """Run fn(arg) on loop's thread; False when that loop has closed (its caller gave up and left)."""
+    try:
+        loop.call_soon_threadsafe(fn, arg)
+    except RuntimeError:  # closed loop: the engine thread must outlive any one caller
+        return False
+    return True

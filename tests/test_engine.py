@@ -1,8 +1,14 @@
 """The paged KV pool and continuous batching engine on the real model (NumPy backend)."""
 
+import asyncio
+import contextlib
+import threading
+import time
+
 import numpy as np
 import pytest
 
+from edgeserve.async_engine import AsyncEngine
 from edgeserve.errors import PromptTooLongError
 from edgeserve.llm_engine import LLMEngine
 from edgeserve.sampling_params import SamplingParams
@@ -168,3 +174,28 @@ def test_sampling_seed_and_stop(engine, prompts):
     assert reason == "stop"
     assert stop not in "".join(pieces)
     assert text.startswith("".join(pieces))
+
+
+def test_async_engine_outlives_a_caller_whose_event_loop_closed(loaded_model, prompts):
+    aengine = AsyncEngine(make_engine(loaded_model))
+    try:
+        started = threading.Event()
+
+        def slow(engine: LLMEngine) -> int:
+            started.set()
+            time.sleep(0.5)
+            return engine.block_manager.num_blocks
+
+        async def impatient() -> None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(aengine.call(slow), 0.1)
+
+        asyncio.run(impatient())  # its loop is closed before slow() returns on the engine thread
+        assert started.wait(5)
+
+        async def answer() -> list[int]:
+            return [t async for out in aengine.generate(prompts[0], GREEDY) for t in out.token_ids]
+
+        assert len(asyncio.run(asyncio.wait_for(answer(), 60))) == GREEDY.max_tokens  # still serving
+    finally:
+        aengine.shutdown()
