@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from typing import Any
 
 import click
 from rich.console import Console
@@ -60,8 +61,9 @@ def bench_cmd(model: str, backend: str, weights: str, kv_memory: str, workload: 
         _emit(results, as_json)
         return
 
-    def engine(**kw: object) -> LLMEngine:
-        return LLMEngine(loaded, backend=backend, weights=weights, kv_memory=kv_memory, max_num_seqs=max_batch, **kw)
+    def engine(**kw: Any) -> LLMEngine:
+        kw.setdefault("max_num_seqs", max_batch)
+        return LLMEngine(loaded, backend=backend, weights=weights, kv_memory=kv_memory, **kw)
 
     results["backend"] = engine().backend.name
     print(f"{loaded.source.name} on {results['backend']}", file=sys.stderr)
@@ -80,8 +82,7 @@ def bench_cmd(model: str, backend: str, weights: str, kv_memory: str, workload: 
         rows = []
         for n in SWEEP:
             requests = bench.uniform_workload(tok, n, 128, 128, seed)
-            e = LLMEngine(loaded, backend=backend, weights=weights, kv_memory=kv_memory, max_num_seqs=max(n, max_batch),
-                          max_num_batched_tokens=max(512, n))
+            e = engine(max_num_seqs=max(n, max_batch), max_num_batched_tokens=max(512, n))
             r = bench.run_engine(e, requests, f"{n} streams").summary()
             rows.append({"streams": n, "decode_tokens_per_s": r["decode_tokens_per_s"],
                          "output_tokens_per_s": r["output_tokens_per_s"], "tpot_p50_s": r["tpot_p50_s"]})

@@ -204,11 +204,11 @@ class NumpyBackend:
     def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: NumpyMeta) -> np.ndarray:
         """Attention of each row over its sequence's K/V, read through the block tables."""
         t, n_heads, hd = q.shape
+        if len(meta.decode_rows) == t:  # decode rows only: no rows to pick out and put back
+            return decode_attention(q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens)
         n_kv = k_cache.shape[2]
         group = n_heads // n_kv
         scale = np.float32(1.0 / np.sqrt(hd))
-        if len(meta.decode_rows) == t:  # decode rows only: no rows to pick out and put back
-            return decode_attention(q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens)
         out = np.empty_like(q)
         if len(meta.decode_rows):
             out[meta.decode_rows] = decode_attention(q[meta.decode_rows], k_cache, v_cache, meta.decode_blocks,
