@@ -28,6 +28,12 @@ def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bl
     return out
 
 
+def compile_now() -> None:
+    """Compile the kernel (or load it from numba's cache) now, so that no decode step waits for it."""
+    pool = np.zeros((1, 1, 1, 1), np.float32)
+    decode_attention(np.zeros((1, 1, 1), np.float32), pool, pool, np.zeros((1, 1), np.int64), np.ones(1, np.int64))
+
+
 @njit(fastmath=True, nogil=True, cache=True)
 def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out):
     num_seqs, n_heads, hd = q.shape
