@@ -21,12 +21,12 @@ import time
 import click
 import httpx
 
-from edgeserve.bench import mixed_workload, uniform_workload
-from edgeserve.bench_http import run_http_bench
+from edgeserve.bench.workloads import mixed_workload, uniform_workload
+from edgeserve.bench.http_driver import run_http_bench
 from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.models.gguf_file import read_gguf
 from edgeserve.models.loader import resolve_model
-from edgeserve.tokenizer import Tokenizer
+from edgeserve.text.tokenizer import Tokenizer
 
 
 def _free_port() -> int:

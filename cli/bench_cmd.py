@@ -11,9 +11,9 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from edgeserve import bench
+from edgeserve.bench import workloads
 from edgeserve.cli.options import model_options
-from edgeserve.llm_engine import LLMEngine
+from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.loader import load_model
 
 WORKLOADS = ("single", "mixed", "sweep", "prefix", "all")
@@ -53,9 +53,9 @@ def bench_cmd(model: str, backend: str, weights: str, kv_memory: str, workload: 
     tok = loaded.tokenizer
     results: dict[str, object] = {"model": loaded.source.name}
     if url:
-        from edgeserve.bench_http import run_http_bench
+        from edgeserve.bench.http_driver import run_http_bench
 
-        requests = bench.mixed_workload(tok, num_requests, seed, max_prompt=256, max_output=min(max_output, 128))
+        requests = workloads.mixed_workload(tok, num_requests, seed, max_prompt=256, max_output=min(max_output, 128))
         r = asyncio.run(run_http_bench(url, requests, concurrency, served_model, api_key=api_key))
         results["http"] = r.summary()
         _emit(results, as_json)
@@ -68,28 +68,28 @@ def bench_cmd(model: str, backend: str, weights: str, kv_memory: str, workload: 
     results["backend"] = engine().backend.name
     print(f"{loaded.source.name} on {results['backend']}", file=sys.stderr)
     if workload in ("single", "all"):
-        req = bench.uniform_workload(tok, 1, 512, 128, seed)
-        r = bench.run_engine(engine(), req, "single stream").summary()
+        req = workloads.uniform_workload(tok, 1, 512, 128, seed)
+        r = workloads.run_engine(engine(), req, "single stream").summary()
         r["prefill_tokens_per_s"] = round(512 / r["ttft_p50_s"], 1)
         results["single"] = r
     if workload in ("mixed", "all"):
-        requests = bench.mixed_workload(tok, num_requests, seed, max_output=max_output)
-        cont = bench.run_engine(engine(), requests, "continuous").summary()
-        static = bench.run_engine(engine(static_batching=True), requests, "static").summary()
+        requests = workloads.mixed_workload(tok, num_requests, seed, max_output=max_output)
+        cont = workloads.run_engine(engine(), requests, "continuous").summary()
+        static = workloads.run_engine(engine(static_batching=True), requests, "static").summary()
         ratio = round(cont["output_tokens_per_s"] / static["output_tokens_per_s"], 2)
         results["mixed"] = {"continuous": cont, "static": static, "continuous_over_static": ratio}
     if workload in ("sweep", "all"):
         rows = []
         for n in SWEEP:
-            requests = bench.uniform_workload(tok, n, 128, 128, seed)
+            requests = workloads.uniform_workload(tok, n, 128, 128, seed)
             e = engine(max_num_seqs=max(n, max_batch), max_num_batched_tokens=max(512, n))
-            r = bench.run_engine(e, requests, f"{n} streams").summary()
+            r = workloads.run_engine(e, requests, f"{n} streams").summary()
             rows.append({"streams": n, "decode_tokens_per_s": r["decode_tokens_per_s"],
                          "output_tokens_per_s": r["output_tokens_per_s"], "tpot_p50_s": r["tpot_p50_s"]})
         results["sweep"] = rows
     if workload in ("prefix", "all"):
-        requests = bench.shared_prefix_workload(tok, 16, 1500, seed=seed)
-        results["prefix"] = bench.run_shared_prefix(engine(), requests)
+        requests = workloads.shared_prefix_workload(tok, 16, 1500, seed=seed)
+        results["prefix"] = workloads.run_shared_prefix(engine(), requests)
     _emit(results, as_json)
 
 

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from edgeserve.async_engine import AsyncEngine
-from edgeserve.conversation import Conversation
+from edgeserve.engine.async_engine import AsyncEngine
+from edgeserve.cli.conversation import Conversation
 from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import SamplingParams
 

@@ -14,10 +14,10 @@ from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from rich.console import Console
 from rich.markup import escape
 
-from edgeserve.async_engine import AsyncEngine
+from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.chat_backends import ChatBackend, EngineChatBackend, ReplyStats
 from edgeserve.cli.options import build_engine, model_options
-from edgeserve.conversation import COMMANDS, Conversation
+from edgeserve.cli.conversation import COMMANDS, Conversation
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import home
 from edgeserve.sampling_params import SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from edgeserve.backends.numpy_backend import WEIGHT_MODES, resident_weight_bytes
-from edgeserve.kv_pool import kv_bytes_per_token
+from edgeserve.engine.kv_pool import kv_bytes_per_token
 from edgeserve.metal import active_attention_path
 from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, local_models, local_path, pull as pull_model
 from edgeserve.models.loader import load_model

@@ -10,7 +10,7 @@ import click
 
 from edgeserve.backends import BACKENDS
 from edgeserve.backends.numpy_backend import WEIGHT_MODES
-from edgeserve.llm_engine import DEFAULT_KV_MEMORY, LLMEngine
+from edgeserve.engine.llm_engine import DEFAULT_KV_MEMORY, LLMEngine
 from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.models.loader import load_model
 

@@ -13,11 +13,11 @@ from types import FrameType
 import click
 import uvicorn
 
-from edgeserve.async_engine import AsyncEngine
+from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.options import build_engine, model_options
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import CATALOG
-from edgeserve.server import DEFAULT_MAX_QUEUE, create_app
+from edgeserve.server.app import DEFAULT_MAX_QUEUE, create_app
 
 
 def served_model_name(model: str) -> str:

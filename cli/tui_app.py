@@ -15,7 +15,7 @@ from textual.worker import Worker
 
 from edgeserve.cli.chat_backends import ChatBackend, ReplyStats
 from edgeserve.cli.tui_panels import StatusPanel
-from edgeserve.conversation import COMMANDS, Conversation
+from edgeserve.cli.conversation import COMMANDS, Conversation
 from edgeserve.errors import EdgeserveError
 
 SESSION_COLOURS = ["#e06c75", "#61afef", "#98c379", "#e5c07b", "#c678dd", "#56b6c2", "#d19a66", "#be5046"]

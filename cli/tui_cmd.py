@@ -7,7 +7,7 @@ import asyncio
 import click
 from click.core import ParameterSource
 
-from edgeserve.async_engine import AsyncEngine
+from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.chat_backends import ChatBackend, EngineChatBackend, RemoteChatBackend
 from edgeserve.cli.options import build_engine, model_options
 from edgeserve.cli.tui_app import EdgeserveApp

@@ -7,7 +7,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from edgeserve.llm_engine import LLMEngine
+from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.sampling_params import SamplingParams
 
 

@@ -93,7 +93,7 @@ def random_model() -> Any:
     from edgeserve.models.llama import ModelArgs
     from edgeserve.models.loader import LoadedModel
     from edgeserve.quant.affine import QuantizedTensor
-    from edgeserve.tokenizer import Tokenizer
+    from edgeserve.text.tokenizer import Tokenizer
 
     args = ModelArgs(hidden_size=576, num_hidden_layers=LAYERS, intermediate_size=1536, num_attention_heads=N_HEADS,
                      num_key_value_heads=N_KV, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
@@ -128,7 +128,7 @@ def random_model() -> Any:
 
 def bench_engine(model: Any, path: str) -> list[dict]:
     """Decode tokens/s through LLMEngine on the MLX backend with one attention path."""
-    from edgeserve.llm_engine import LLMEngine
+    from edgeserve.engine.llm_engine import LLMEngine
     from edgeserve.sampling_params import SamplingParams
 
     os.environ[ENV_VAR] = path

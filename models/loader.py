@@ -20,7 +20,7 @@ from edgeserve.models.gguf_file import GGUFFile, read_gguf
 from edgeserve.models.llama import SUPPORTED_MODEL_TYPES, ModelArgs
 from edgeserve.quant.affine import QuantizedTensor
 from edgeserve.quant.gguf_blocks import gguf_tensor_to_array
-from edgeserve.tokenizer import Tokenizer
+from edgeserve.text.tokenizer import Tokenizer
 
 Weights = dict[str, "np.ndarray | QuantizedTensor"]
 

@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from edgeserve.errors import EdgeserveError
-from edgeserve.llm_engine import LLMEngine
+from edgeserve.engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeserve.kv_pool import kv_bytes_per_token
-from edgeserve.llm_engine import LLMEngine
+from edgeserve.engine.kv_pool import kv_bytes_per_token
+from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.loader import LoadedModel, load_folder
 from edgeserve.quant.convert import ConversionResult
 from edgeserve.quant.perplexity import PerplexityResult, text_perplexity

@@ -3,9 +3,9 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgeserve.block_manager import BlockManager
+from edgeserve.engine.block_manager import BlockManager
 from edgeserve.sampling_params import SamplingParams
-from edgeserve.sequence import Sequence
+from edgeserve.engine.sequence import Sequence
 
 BLOCK = 4
 PARAMS = SamplingParams(max_tokens=1)

@@ -8,7 +8,7 @@ import sys
 import pexpect
 import pytest
 
-from edgeserve.conversation import CommandError, Conversation, ConversationFileError
+from edgeserve.cli.conversation import CommandError, Conversation, ConversationFileError
 from edgeserve.errors import PromptTooLongError
 from edgeserve.sampling_params import InvalidParamsError
 

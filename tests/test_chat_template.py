@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from edgeserve.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
+from edgeserve.text.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.gguf_file import read_gguf
-from edgeserve.tokenizer import Tokenizer
+from edgeserve.text.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 
 from edgeserve.backends.numpy_backend import DequantizingLinear, resident_weight_bytes
 from edgeserve.cli.main import cli
-from edgeserve.llm_engine import LLMEngine
+from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, sha256_of
 from edgeserve.models.llama import ModelArgs, rope_inv_freq
 from edgeserve.models.loader import LoadedModel, load_folder

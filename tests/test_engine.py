@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from edgeserve.async_engine import AsyncEngine
+from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.errors import PromptTooLongError
-from edgeserve.llm_engine import LLMEngine
+from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

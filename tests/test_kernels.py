@@ -12,7 +12,7 @@ import pytest
 
 from edgeserve.backends.numpy_backend import NumpyBackend
 from edgeserve.batch import Batch, random_paged_batch
-from edgeserve.llm_engine import LLMEngine
+from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.sampling_params import SamplingParams
 
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]')")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from edgeserve.llm_engine import LLMEngine
+from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.gguf_file import read_gguf
 from edgeserve.models.loader import load_folder
 from edgeserve.quant.affine import QuantizedTensor

@@ -21,15 +21,15 @@ import uvicorn
 from click.testing import CliRunner
 from fastapi import FastAPI
 
-from edgeserve.async_engine import AsyncEngine
-from edgeserve.bench import uniform_workload
-from edgeserve.bench_http import run_http_bench
+from edgeserve.engine.async_engine import AsyncEngine
+from edgeserve.bench.workloads import uniform_workload
+from edgeserve.bench.http_driver import run_http_bench
 from edgeserve.cli.main import cli
 from edgeserve.cli.serve_cmd import served_model_name
-from edgeserve.llm_engine import LLMEngine
+from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.models.loader import load_model
-from edgeserve.server import create_app
+from edgeserve.server.app import create_app
 
 API_KEY = "test-key-123"
 # Generous: on a busy machine an engine step, and so /v1/edgeserve/kv, can take seconds.

@@ -9,10 +9,10 @@ import pytest
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 
-from edgeserve.detokenizer import IncrementalDetokenizer
+from edgeserve.text.detokenizer import IncrementalDetokenizer
 from edgeserve.errors import ModelLoadError
 from edgeserve.models.gguf_file import read_gguf
-from edgeserve.tokenizer import Tokenizer
+from edgeserve.text.tokenizer import Tokenizer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_tokenizer.json"
 LLAMA_CPP_CASES = json.loads(FIXTURE.read_text(encoding="utf-8"))["cases"]

@@ -17,12 +17,12 @@ import uvicorn
 from starlette.responses import PlainTextResponse
 from textual.widgets import Input
 
-from edgeserve.async_engine import AsyncEngine
+from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.chat_backends import EngineChatBackend, RemoteChatBackend
 from edgeserve.cli.options import build_engine
 from edgeserve.cli.tui_app import EdgeserveApp, HelpScreen, SessionPane
 from edgeserve.cli.tui_panels import KVMap, StatusPanel
-from edgeserve.server import create_app
+from edgeserve.server.app import create_app
 
 TIMEOUT = 180.0  # seconds for answers on a slow, shared CPU
 GREEDY = {"temperature": 0.0}

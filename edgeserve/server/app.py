@@ -20,14 +20,14 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from edgeserve.async_engine import AsyncEngine
-from edgeserve.chat_template import ChatTemplateError
+from edgeserve.engine.async_engine import AsyncEngine
+from edgeserve.text.chat_template import ChatTemplateError
 from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.models.catalog import CATALOG
 from edgeserve.sampling_params import InvalidParamsError
-from edgeserve.server_generation import Choice, Generation
-from edgeserve.server_metrics import ServerMetrics
-from edgeserve.server_protocol import (
+from edgeserve.server.generation import Choice, Generation
+from edgeserve.server.metrics import ServerMetrics
+from edgeserve.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     APIError,
     ChatCompletionRequest,

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from edgeserve.llm_engine import LLMEngine
+from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.sampling_params import SamplingParams
-from edgeserve.tokenizer import Tokenizer
+from edgeserve.text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -16,7 +16,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from edgeserve.errors import EdgeserveError
-from edgeserve.tokenizer import Tokenizer
+from edgeserve.text.tokenizer import Tokenizer
 
 # For models that ship no template: ChatML, which is what transformers used to fall back to.
 CHATML_TEMPLATE = (

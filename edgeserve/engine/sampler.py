@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeserve.sequence import Sequence
+from edgeserve.engine.sequence import Sequence
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

@@ -7,10 +7,10 @@ from typing import Any
 import numpy as np
 
 from edgeserve.batch import Batch
-from edgeserve.kv_pool import KVPool, PoolSize
+from edgeserve.engine.kv_pool import KVPool, PoolSize
 from edgeserve.models.llama import Llama
 from edgeserve.models.loader import LoadedModel
-from edgeserve.scheduler import ScheduledSeq
+from edgeserve.engine.scheduler import ScheduledSeq
 
 
 class ModelRunner:

@@ -9,7 +9,7 @@ import time
 import httpx
 from tqdm import tqdm
 
-from edgeserve.bench import BenchRequest, BenchResult, RequestTiming
+from edgeserve.bench.workloads import BenchRequest, BenchResult, RequestTiming
 from edgeserve.errors import EdgeserveError
 
 

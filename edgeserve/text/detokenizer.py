@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from edgeserve.tokenizer import Tokenizer
+from edgeserve.text.tokenizer import Tokenizer
 
 # Tokens of context decoded before the new ones, so that word-initial spaces and merged
 # bytes come out as they do in a full decode.

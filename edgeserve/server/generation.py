@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from edgeserve.async_engine import AsyncEngine
+from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.errors import EdgeserveError
-from edgeserve.llm_engine import RequestOutput
+from edgeserve.engine.llm_engine import RequestOutput
 from edgeserve.sampling_params import SamplingParams
-from edgeserve.server_protocol import APIError, usage
+from edgeserve.server.protocol import APIError, usage
 
 
 @dataclass

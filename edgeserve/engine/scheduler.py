@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from edgeserve.block_manager import BlockManager
-from edgeserve.sequence import Sequence, SequenceStatus
+from edgeserve.engine.block_manager import BlockManager
+from edgeserve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

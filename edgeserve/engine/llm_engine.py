@@ -11,17 +11,17 @@ import numpy as np
 
 from edgeserve.backends import get_backend
 from edgeserve.backends.numpy_backend import choose_weights_mode
-from edgeserve.block_manager import BlockManager, blocks_for
-from edgeserve.chat_template import ChatTemplate
-from edgeserve.detokenizer import IncrementalDetokenizer
+from edgeserve.engine.block_manager import BlockManager, blocks_for
+from edgeserve.text.chat_template import ChatTemplate
+from edgeserve.text.detokenizer import IncrementalDetokenizer
 from edgeserve.errors import EdgeserveError, PromptTooLongError
-from edgeserve.kv_pool import size_pool
-from edgeserve.model_runner import ModelRunner
+from edgeserve.engine.kv_pool import size_pool
+from edgeserve.engine.model_runner import ModelRunner
 from edgeserve.models.loader import LoadedModel, load_model
-from edgeserve.sampler import sample, token_logprobs
+from edgeserve.engine.sampler import sample, token_logprobs
 from edgeserve.sampling_params import SamplingParams
-from edgeserve.scheduler import ScheduledSeq, Scheduler
-from edgeserve.sequence import Sequence, SequenceStatus
+from edgeserve.engine.scheduler import ScheduledSeq, Scheduler
+from edgeserve.engine.sequence import Sequence, SequenceStatus
 from edgeserve.system import available_memory_bytes
 from edgeserve.units import parse_size
 

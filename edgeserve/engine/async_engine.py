@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from edgeserve.errors import EdgeserveError
-from edgeserve.llm_engine import EngineStats, LLMEngine, RequestOutput
+from edgeserve.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
 from edgeserve.sampling_params import SamplingParams
 
 

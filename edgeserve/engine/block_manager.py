@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from edgeserve.sequence import Sequence
+from edgeserve.engine.sequence import Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: app (routes), protocol (request/response bodies), generation, metrics."""

@@ -1,0 +1,1 @@
+"""Text in and out: tokenizer, incremental detokenizer and chat templates."""
