@@ -1,6 +1,8 @@
-"""Package discovery for the top-level folders; every other setting lives in pyproject.toml."""
+"""Package discovery for the top-level folders and the optional C kernels; every other setting lives in pyproject.toml."""
 
-from setuptools import find_packages, setup
+import sys
+
+from setuptools import Extension, find_packages, setup
 
 # Each top-level folder is one part of the project, installed as a subpackage of `edgeserve`.
 # setuptools' automatic discovery cannot put a prefix on a folder's name, so it runs per folder here.
@@ -19,4 +21,16 @@ def discover_packages() -> list[str]:
             for sub in ["", *find_packages(where=folder)]]
 
 
-setup(packages=discover_packages(), package_dir=PARTS)
+# The quantized matmul kernels pick their instruction set at run time, so they are compiled
+# without -march flags and a wheel runs on any CPU of its architecture. optional=True: where no
+# compiler is found the install still succeeds and edgeserve runs its numba kernels instead.
+UNIX = sys.platform != "win32"
+QMATMUL = Extension(
+    "edgeserve.backends._qmatmul",
+    sources=["edgeserve/backends/_qmatmul.c"],
+    extra_compile_args=["-O3", "-std=c11", "-pthread"] if UNIX else ["/O2"],
+    extra_link_args=["-pthread"] if UNIX else [],
+    optional=True,
+)
+
+setup(packages=discover_packages(), package_dir=PARTS, ext_modules=[QMATMUL])

@@ -1,0 +1,643 @@
+/* Quantized matmul kernels for edgeserve's NumPy backend: out = x @ W.T from 4/8-bit weights.
+
+Layout (built by qmatmul.prepare): output columns are cut into panels of 16; a panel's weights
+are uint32 words [K / epw, 16], one word per (k-chunk, column), so 16 columns' words make one
+512-bit vector. A word holds the column's weights for epw = 32 / bits consecutive k, placed so
+that `(word >> s) & mask` yields two weights of adjacent k as the low and high int16 halves of
+an int32 lane:
+    4 bits: nibble i (bits 4i..4i+3) = w[k0 + 2i] for i < 4, w[k0 + 2(i - 4) + 1] for i >= 4
+    8 bits: byte order w[k0], w[k0 + 2], w[k0 + 1], w[k0 + 3]
+Scales and biases are [panels, K / group, 16] float16 or float32.
+
+Kernel: each row of x is quantized per weight group to int16 (scale = max|x| / 32767, an error
+below 2^-16 of the group's largest value, far inside float32 model noise) and its float sum per
+group is kept, so a group's contribution is s * d_x * sum(q * x_q) + b * sum(x). The integer dot
+products run as vpdpwssd (AVX-512 VNNI) or vpmaddwd (AVX2), 32 / 16 multiply-adds per instruction
+against 16 / 8 for float32 FMA, and every unpacked weight vector serves up to 8 rows from
+registers. Work is (row tile, panel chunk) items claimed atomically by a small pthread pool, so
+a descheduled worker only delays the items it holds.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define QM_X86 1
+#include <immintrin.h>
+#endif
+
+#define PANEL 16
+#define MAX_THREADS 64
+#define ROW_TILE 64
+
+typedef struct {
+    const uint32_t *w;
+    const void *scales, *biases;
+    const int16_t *xq;  /* [R, K] */
+    const float *xd;    /* [R, K / group] activation scale per group */
+    const float *xs;    /* [R, K / group] activation sum per group */
+    float *out;
+    Py_ssize_t ldo;     /* floats between rows of out */
+    int R, K, N, bits, group, f16;
+    int panels, chunk, row_tiles, items;
+} Task;
+
+typedef void (*kernel_fn)(const Task *, int p0, int p1, int r0, int r1);
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bitsv;
+    if (exp == 0x1f) {
+        bitsv = sign | 0x7f800000 | (man << 13);
+    } else if (exp) {
+        bitsv = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalize */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        bitsv = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    } else {
+        bitsv = sign;
+    }
+    float f;
+    memcpy(&f, &bitsv, 4);
+    return f;
+}
+
+/* ---- portable kernel: plain loops over the 16 lanes, which gcc and clang vectorize (NEON too) ---- */
+
+static void kernel_generic(const Task *t, int p0, int p1, int r0, int r1) {
+    const int K = t->K, G = t->group, ng = K / G, epw = 32 / t->bits, wpg = G / epw;
+    for (int p = p0; p < p1; p++) {
+        const uint32_t *wp = t->w + (size_t)p * (K / epw) * PANEL;
+        int ncols = t->N - p * PANEL < PANEL ? t->N - p * PANEL : PANEL;
+        for (int r = r0; r < r1; r++) {
+            float facc[PANEL] = {0};
+            const int32_t *xr = (const int32_t *)(t->xq + (size_t)r * K);
+            for (int g = 0; g < ng; g++) {
+                int32_t acc[PANEL] = {0};
+                const uint32_t *wg = wp + (size_t)g * wpg * PANEL;
+                const int32_t *xg = xr + g * G / 2;
+                for (int j = 0; j < wpg; j++) {
+                    const uint32_t *v = wg + j * PANEL;
+                    for (int pr = 0; pr < epw / 2; pr++) {
+                        int32_t xp = xg[j * (epw / 2) + pr];
+                        int32_t xa = (int16_t)(xp & 0xffff), xb = (int16_t)((uint32_t)xp >> 16);
+                        int sh = t->bits == 4 ? 4 * pr : 8 * pr;
+                        uint32_t m = t->bits == 4 ? 0xf : 0xff;
+                        for (int c = 0; c < PANEL; c++) {
+                            uint32_t u = v[c] >> sh;
+                            acc[c] += (int32_t)(u & m) * xa + (int32_t)((u >> 16) & m) * xb;
+                        }
+                    }
+                }
+                size_t so = ((size_t)p * ng + g) * PANEL;
+                float d = t->xd[(size_t)r * ng + g], sx = t->xs[(size_t)r * ng + g];
+                for (int c = 0; c < PANEL; c++) {
+                    float s, b;
+                    if (t->f16) {
+                        s = f16_to_f32(((const uint16_t *)t->scales)[so + c]);
+                        b = f16_to_f32(((const uint16_t *)t->biases)[so + c]);
+                    } else {
+                        s = ((const float *)t->scales)[so + c];
+                        b = ((const float *)t->biases)[so + c];
+                    }
+                    facc[c] += (float)acc[c] * (s * d) + b * sx;
+                }
+            }
+            memcpy(t->out + (size_t)r * t->ldo + p * PANEL, facc, sizeof(float) * ncols);
+        }
+    }
+}
+
+#ifdef QM_X86
+
+/* ---- AVX-512 VNNI: one zmm = the 16 columns of a panel; RB rows share each weight vector ---- */
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+
+static inline AVX512_TARGET __attribute__((always_inline)) void
+avx512_rows(const Task *t, int p, int r0, const int RB) {
+    const int K = t->K, G = t->group, ng = K / G, bits = t->bits, epw = 32 / bits, wpg = G / epw;
+    const uint32_t *wp = t->w + (size_t)p * (K / epw) * PANEL;
+    __m512 facc[8];
+    for (int r = 0; r < RB; r++) facc[r] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi32(0x000f000f), m8 = _mm512_set1_epi32(0x00ff00ff);
+    for (int g = 0; g < ng; g++) {
+        __m512i acc[8];
+        for (int r = 0; r < RB; r++) acc[r] = _mm512_setzero_si512();
+        const uint32_t *wg = wp + (size_t)g * wpg * PANEL;
+        const int32_t *xg = (const int32_t *)(t->xq + (size_t)r0 * K) + g * G / 2;
+        const int xstride = K / 2;
+        if (bits == 4) {
+            for (int j = 0; j < wpg; j++) {
+                __m512i v = _mm512_loadu_si512(wg + j * PANEL);
+                __m512i w0 = _mm512_and_si512(v, m4);
+                __m512i w1 = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);
+                __m512i w2 = _mm512_and_si512(_mm512_srli_epi32(v, 8), m4);
+                __m512i w3 = _mm512_and_si512(_mm512_srli_epi32(v, 12), m4);
+                for (int r = 0; r < RB; r++) {
+                    const int32_t *x = xg + r * xstride + 4 * j;
+                    acc[r] = _mm512_dpwssd_epi32(acc[r], w0, _mm512_set1_epi32(x[0]));
+                    acc[r] = _mm512_dpwssd_epi32(acc[r], w1, _mm512_set1_epi32(x[1]));
+                    acc[r] = _mm512_dpwssd_epi32(acc[r], w2, _mm512_set1_epi32(x[2]));
+                    acc[r] = _mm512_dpwssd_epi32(acc[r], w3, _mm512_set1_epi32(x[3]));
+                }
+            }
+        } else {
+            for (int j = 0; j < wpg; j++) {
+                __m512i v = _mm512_loadu_si512(wg + j * PANEL);
+                __m512i w0 = _mm512_and_si512(v, m8);
+                __m512i w1 = _mm512_and_si512(_mm512_srli_epi32(v, 8), m8);
+                for (int r = 0; r < RB; r++) {
+                    const int32_t *x = xg + r * xstride + 2 * j;
+                    acc[r] = _mm512_dpwssd_epi32(acc[r], w0, _mm512_set1_epi32(x[0]));
+                    acc[r] = _mm512_dpwssd_epi32(acc[r], w1, _mm512_set1_epi32(x[1]));
+                }
+            }
+        }
+        size_t so = ((size_t)p * ng + g) * PANEL;
+        __m512 s, b;
+        if (t->f16) {
+            s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->scales + so)));
+            b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->biases + so)));
+        } else {
+            s = _mm512_loadu_ps((const float *)t->scales + so);
+            b = _mm512_loadu_ps((const float *)t->biases + so);
+        }
+        for (int r = 0; r < RB; r++) {
+            size_t xi = (size_t)(r0 + r) * ng + g;
+            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(s, _mm512_set1_ps(t->xd[xi])), facc[r]);
+            facc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(t->xs[xi]), facc[r]);
+        }
+    }
+    int ncols = t->N - p * PANEL;
+    __mmask16 mask = ncols >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << ncols) - 1);
+    for (int r = 0; r < RB; r++) _mm512_mask_storeu_ps(t->out + (size_t)(r0 + r) * t->ldo + p * PANEL, mask, facc[r]);
+}
+
+static AVX512_TARGET void kernel_avx512(const Task *t, int p0, int p1, int r0, int r1) {
+    for (int p = p0; p < p1; p++) {
+        int r = r0;
+        for (; r + 8 <= r1; r += 8) avx512_rows(t, p, r, 8);
+        switch (r1 - r) {
+        case 7: avx512_rows(t, p, r, 7); break;
+        case 6: avx512_rows(t, p, r, 6); break;
+        case 5: avx512_rows(t, p, r, 5); break;
+        case 4: avx512_rows(t, p, r, 4); break;
+        case 3: avx512_rows(t, p, r, 3); break;
+        case 2: avx512_rows(t, p, r, 2); break;
+        case 1: avx512_rows(t, p, r, 1); break;
+        default: break;
+        }
+    }
+}
+
+/* ---- AVX2: two ymm per panel, vpmaddwd + vpaddd; 4 rows share each weight vector ---- */
+
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+static inline AVX2_TARGET __attribute__((always_inline)) __m256i madd_acc(__m256i acc, __m256i w, int32_t x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(x)));
+}
+
+static inline AVX2_TARGET __attribute__((always_inline)) void
+avx2_rows(const Task *t, int p, int r0, const int RB) {
+    const int K = t->K, G = t->group, ng = K / G, bits = t->bits, epw = 32 / bits, wpg = G / epw;
+    const uint32_t *wp = t->w + (size_t)p * (K / epw) * PANEL;
+    __m256 facc[4][2];
+    for (int r = 0; r < RB; r++) facc[r][0] = facc[r][1] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi32(0x000f000f), m8 = _mm256_set1_epi32(0x00ff00ff);
+    for (int g = 0; g < ng; g++) {
+        __m256i acc[4][2];
+        for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        const uint32_t *wg = wp + (size_t)g * wpg * PANEL;
+        const int32_t *xg = (const int32_t *)(t->xq + (size_t)r0 * K) + g * G / 2;
+        const int xstride = K / 2;
+        for (int j = 0; j < wpg; j++) {
+            for (int h = 0; h < 2; h++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(wg + j * PANEL + 8 * h));
+                if (bits == 4) {
+                    __m256i w0 = _mm256_and_si256(v, m4);
+                    __m256i w1 = _mm256_and_si256(_mm256_srli_epi32(v, 4), m4);
+                    __m256i w2 = _mm256_and_si256(_mm256_srli_epi32(v, 8), m4);
+                    __m256i w3 = _mm256_and_si256(_mm256_srli_epi32(v, 12), m4);
+                    for (int r = 0; r < RB; r++) {
+                        const int32_t *x = xg + r * xstride + 4 * j;
+                        __m256i a = madd_acc(acc[r][h], w0, x[0]);
+                        a = madd_acc(a, w1, x[1]);
+                        a = madd_acc(a, w2, x[2]);
+                        acc[r][h] = madd_acc(a, w3, x[3]);
+                    }
+                } else {
+                    __m256i w0 = _mm256_and_si256(v, m8);
+                    __m256i w1 = _mm256_and_si256(_mm256_srli_epi32(v, 8), m8);
+                    for (int r = 0; r < RB; r++) {
+                        const int32_t *x = xg + r * xstride + 2 * j;
+                        acc[r][h] = madd_acc(madd_acc(acc[r][h], w0, x[0]), w1, x[1]);
+                    }
+                }
+            }
+        }
+        size_t so = ((size_t)p * ng + g) * PANEL;
+        for (int h = 0; h < 2; h++) {
+            __m256 s, b;
+            if (t->f16) {
+                s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->scales + so + 8 * h)));
+                b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->biases + so + 8 * h)));
+            } else {
+                s = _mm256_loadu_ps((const float *)t->scales + so + 8 * h);
+                b = _mm256_loadu_ps((const float *)t->biases + so + 8 * h);
+            }
+            for (int r = 0; r < RB; r++) {
+                size_t xi = (size_t)(r0 + r) * ng + g;
+                __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_mul_ps(s, _mm256_set1_ps(t->xd[xi])),
+                                           facc[r][h]);
+                facc[r][h] = _mm256_fmadd_ps(b, _mm256_set1_ps(t->xs[xi]), f);
+            }
+        }
+    }
+    int ncols = t->N - p * PANEL;
+    for (int r = 0; r < RB; r++) {
+        float *o = t->out + (size_t)(r0 + r) * t->ldo + p * PANEL;
+        if (ncols >= PANEL) {
+            _mm256_storeu_ps(o, facc[r][0]);
+            _mm256_storeu_ps(o + 8, facc[r][1]);
+        } else {
+            float tmp[PANEL];
+            _mm256_storeu_ps(tmp, facc[r][0]);
+            _mm256_storeu_ps(tmp + 8, facc[r][1]);
+            memcpy(o, tmp, sizeof(float) * ncols);
+        }
+    }
+}
+
+static AVX2_TARGET void kernel_avx2(const Task *t, int p0, int p1, int r0, int r1) {
+    for (int p = p0; p < p1; p++) {
+        int r = r0;
+        for (; r + 4 <= r1; r += 4) avx2_rows(t, p, r, 4);
+        switch (r1 - r) {
+        case 3: avx2_rows(t, p, r, 3); break;
+        case 2: avx2_rows(t, p, r, 2); break;
+        case 1: avx2_rows(t, p, r, 1); break;
+        default: break;
+        }
+    }
+}
+#endif /* QM_X86 */
+
+/* ---- thread pool: workers spin briefly for the next call (decode calls come µs apart), then sleep ---- */
+
+static kernel_fn g_kernel = kernel_generic;
+static const char *g_isa = "generic";
+static int g_threads = 1;                 /* threads used per call, the caller included */
+static int g_started = 0;                 /* workers created so far */
+static pthread_t g_workers[MAX_THREADS];
+static pthread_mutex_t g_call_lock = PTHREAD_MUTEX_INITIALIZER;  /* one call at a time owns the pool */
+static pthread_mutex_t g_sleep_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_wake = PTHREAD_COND_INITIALIZER;
+static atomic_uint g_gen;                 /* bumped once per call */
+static atomic_int g_sleepers;
+static atomic_uint_fast64_t g_claim;      /* (call generation << 32) | next item */
+static atomic_int g_done;                 /* items finished in the current call */
+static Task g_task;
+static int g_spin_us = 100;
+
+static void run_item(const Task *t, int i) {
+    int cols_chunks = (t->panels + t->chunk - 1) / t->chunk;
+    int pc = i % cols_chunks, rt = i / cols_chunks;
+    int p0 = pc * t->chunk, p1 = p0 + t->chunk < t->panels ? p0 + t->chunk : t->panels;
+    int r0 = rt * ROW_TILE, r1 = r0 + ROW_TILE < t->R ? r0 + ROW_TILE : t->R;
+    g_kernel(t, p0, p1, r0, r1);
+}
+
+static inline void cpu_relax(void) {
+#ifdef QM_X86
+    _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline double now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+}
+
+/* g_claim holds (generation << 32) | items left; an item is claimed by a CAS that also checks the
+   generation, so a worker waking late for a finished call claims nothing and never reads the
+   task fields while the next call writes them. */
+static void run_items(unsigned gen) {
+    for (;;) {
+        uint_fast64_t c = atomic_load(&g_claim);
+        if ((unsigned)(c >> 32) != gen || (c & 0xffffffffu) == 0) return;
+        if (!atomic_compare_exchange_weak(&g_claim, &c, c - 1)) continue;
+        run_item(&g_task, (int)(c & 0xffffffffu) - 1);
+        atomic_fetch_add(&g_done, 1);
+    }
+}
+
+static void *worker_main(void *arg) {
+    unsigned seen = atomic_load(&g_gen);
+    (void)arg;
+    for (;;) {
+        unsigned gen;
+        double until = now_us() + g_spin_us;
+        int n = 0;
+        while ((gen = atomic_load(&g_gen)) == seen) {
+            cpu_relax();
+            if (++n % 256 == 0 && now_us() > until) {
+                pthread_mutex_lock(&g_sleep_lock);
+                atomic_fetch_add(&g_sleepers, 1);
+                while ((gen = atomic_load(&g_gen)) == seen) pthread_cond_wait(&g_wake, &g_sleep_lock);
+                atomic_fetch_sub(&g_sleepers, 1);
+                pthread_mutex_unlock(&g_sleep_lock);
+                break;
+            }
+        }
+        seen = gen;
+        run_items(gen);
+    }
+    return NULL;
+}
+
+static void start_workers(int n) {
+    while (g_started < n - 1 && g_started < MAX_THREADS) {
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&g_workers[g_started], &attr, worker_main, NULL) != 0) {
+            pthread_attr_destroy(&attr);
+            break;
+        }
+        pthread_attr_destroy(&attr);
+        g_started++;
+    }
+}
+
+/* Runs g_task (already filled) on the pool; called with g_call_lock held and the GIL released. */
+static void run_task(void) {
+    Task *t = &g_task;
+    int nthreads = g_threads < g_started + 1 ? g_threads : g_started + 1;
+    t->row_tiles = (t->R + ROW_TILE - 1) / ROW_TILE;
+    /* ~8 items per thread keeps the load even when a worker starts late */
+    int want = nthreads * 8 / t->row_tiles;
+    if (want < 1) want = 1;
+    t->chunk = (t->panels + want - 1) / want;
+    t->items = ((t->panels + t->chunk - 1) / t->chunk) * t->row_tiles;
+    if (nthreads <= 1 || t->items == 1) {
+        for (int i = 0; i < t->items; i++) run_item(t, i);
+        return;
+    }
+    unsigned gen = atomic_load(&g_gen) + 1;
+    atomic_store(&g_done, 0);
+    atomic_store(&g_claim, ((uint_fast64_t)gen << 32) | (unsigned)t->items);
+    atomic_store(&g_gen, gen);
+    if (atomic_load(&g_sleepers) > 0) {
+        pthread_mutex_lock(&g_sleep_lock);
+        pthread_cond_broadcast(&g_wake);
+        pthread_mutex_unlock(&g_sleep_lock);
+    }
+    run_items(gen);
+    while (atomic_load(&g_done) < t->items) cpu_relax();
+}
+
+/* ---- activation quantization: int16 per weight group, plus the group's float sum ---- */
+
+static void quantize_rows(const float *x, int R, int K, int G, int16_t *xq, float *xd, float *xs) {
+    int ng = K / G;
+    for (int r = 0; r < R; r++) {
+        for (int g = 0; g < ng; g++) {
+            const float *v = x + (size_t)r * K + g * G;
+            int16_t *q = xq + (size_t)r * K + g * G;
+            float amax = 0.f, sum = 0.f;
+            for (int k = 0; k < G; k++) {
+                float a = fabsf(v[k]);
+                amax = a > amax ? a : amax;
+                sum += v[k];
+            }
+            float inv = amax > 0.f ? 32767.f / amax : 0.f;
+            for (int k = 0; k < G; k++) q[k] = (int16_t)lrintf(v[k] * inv);
+            xd[(size_t)r * ng + g] = amax / 32767.f;
+            xs[(size_t)r * ng + g] = sum;
+        }
+    }
+}
+
+static int16_t *g_xq;
+static float *g_xd;
+static size_t g_xq_cap, g_xd_cap;
+
+static int reserve(size_t nq, size_t nd) {
+    if (nq > g_xq_cap) {
+        int16_t *p = (int16_t *)realloc(g_xq, nq * sizeof(int16_t));
+        if (!p) return -1;
+        g_xq = p;
+        g_xq_cap = nq;
+    }
+    if (2 * nd > g_xd_cap) {
+        float *p = (float *)realloc(g_xd, 2 * nd * sizeof(float));
+        if (!p) return -1;
+        g_xd = p;
+        g_xd_cap = 2 * nd;
+    }
+    return 0;
+}
+
+/* ---- Python entry points ---- */
+
+static int get_buf(PyObject *o, Py_buffer *b, int writable) {
+    return PyObject_GetBuffer(o, b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_STRIDES | PyBUF_FORMAT);
+}
+
+/* gemm(x, w, scales, biases, out, N, bits, group, f16): out[:, :N] = x @ W.T.
+   x float32 [R, K] C-contiguous; out float32 [R, >=N] with unit column stride. */
+static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "gemm takes 9 arguments");
+        return NULL;
+    }
+    long N = PyLong_AsLong(args[5]), bits = PyLong_AsLong(args[6]), group = PyLong_AsLong(args[7]);
+    int f16 = PyObject_IsTrue(args[8]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer bx, bw, bs, bb, bo;
+    if (get_buf(args[0], &bx, 0) < 0) return NULL;
+    if (get_buf(args[1], &bw, 0) < 0) goto fail_x;
+    if (get_buf(args[2], &bs, 0) < 0) goto fail_w;
+    if (get_buf(args[3], &bb, 0) < 0) goto fail_s;
+    if (get_buf(args[4], &bo, 1) < 0) goto fail_b;
+    if (bx.ndim != 2 || strcmp(bx.format, "f") || strcmp(bo.format, "f") || bx.strides[1] != 4 || bx.strides[0] != bx.shape[1] * 4 || bo.ndim != 2 ||
+        bo.itemsize != 4 || bo.strides[1] != 4 || bo.shape[0] != bx.shape[0] || bo.shape[1] < N || (bits != 4 && bits != 8) ||
+        group % 32 || bx.shape[1] % group) {
+        PyErr_SetString(PyExc_ValueError, "gemm: bad shapes, strides or parameters");
+        goto fail_o;
+    }
+    {
+        int R = (int)bx.shape[0], K = (int)bx.shape[1];
+        int panels = (int)((N + PANEL - 1) / PANEL);
+        size_t need_w = (size_t)panels * K * bits / 8, need_s = (size_t)panels * (K / group) * PANEL * (f16 ? 2 : 4);
+        if ((size_t)bw.len < need_w || (size_t)bs.len < need_s || (size_t)bb.len < need_s) {
+            PyErr_SetString(PyExc_ValueError, "gemm: packed weight buffers too small for the shape");
+            goto fail_o;
+        }
+        int err = 0;
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&g_call_lock);
+        if (reserve((size_t)R * K, (size_t)R * (K / group)) < 0) {
+            err = 1;
+        } else if (R > 0 && N > 0) {
+            float *xd = g_xd, *xs = g_xd + (size_t)R * (K / group);
+            quantize_rows((const float *)bx.buf, R, K, (int)group, g_xq, xd, xs);
+            Task *t = &g_task;
+            t->w = (const uint32_t *)bw.buf;
+            t->scales = bs.buf;
+            t->biases = bb.buf;
+            t->xq = g_xq;
+            t->xd = xd;
+            t->xs = xs;
+            t->out = (float *)bo.buf;
+            t->ldo = bo.strides[0] / 4;
+            t->R = R;
+            t->K = K;
+            t->N = (int)N;
+            t->bits = (int)bits;
+            t->group = (int)group;
+            t->f16 = f16;
+            t->panels = panels;
+            run_task();
+        }
+        pthread_mutex_unlock(&g_call_lock);
+        Py_END_ALLOW_THREADS
+        if (err) {
+            PyErr_NoMemory();
+            goto fail_o;
+        }
+    }
+    PyBuffer_Release(&bo);
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&bs);
+    PyBuffer_Release(&bw);
+    PyBuffer_Release(&bx);
+    Py_RETURN_NONE;
+fail_o:
+    PyBuffer_Release(&bo);
+fail_b:
+    PyBuffer_Release(&bb);
+fail_s:
+    PyBuffer_Release(&bs);
+fail_w:
+    PyBuffer_Release(&bw);
+fail_x:
+    PyBuffer_Release(&bx);
+    return NULL;
+}
+
+static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
+    (void)self;
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_call_lock);
+    start_workers((int)n);
+    g_threads = (int)n;
+    pthread_mutex_unlock(&g_call_lock);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(g_threads < g_started + 1 ? g_threads : g_started + 1);
+}
+
+static PyObject *py_get_num_threads(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(g_threads < g_started + 1 ? g_threads : g_started + 1);
+}
+
+static PyObject *py_set_spin_us(PyObject *self, PyObject *arg) {
+    (void)self;
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    g_spin_us = n < 0 ? 0 : (int)n;
+    Py_RETURN_NONE;
+}
+
+static int isa_supported(const char *name) {
+    if (!strcmp(name, "generic")) return 1;
+#ifdef QM_X86
+    __builtin_cpu_init();
+    if (!strcmp(name, "avx2")) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (!strcmp(name, "avx512vnni"))
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+    return 0;
+}
+
+static void select_isa(const char *name) {
+#ifdef QM_X86
+    if (!strcmp(name, "avx512vnni")) {
+        g_kernel = kernel_avx512;
+        g_isa = "avx512vnni";
+        return;
+    }
+    if (!strcmp(name, "avx2")) {
+        g_kernel = kernel_avx2;
+        g_isa = "avx2";
+        return;
+    }
+#endif
+    g_kernel = kernel_generic;
+    g_isa = "generic";
+}
+
+/* set_isa(name or None): use that code path (for tests); None picks the best the CPU runs. */
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *name;
+    if (arg == Py_None) {
+        name = isa_supported("avx512vnni") ? "avx512vnni" : isa_supported("avx2") ? "avx2" : "generic";
+    } else {
+        name = PyUnicode_AsUTF8(arg);
+        if (!name) return NULL;
+        if (!isa_supported(name)) {
+            PyErr_Format(PyExc_ValueError, "instruction set %s is not available on this CPU", name);
+            return NULL;
+        }
+    }
+    pthread_mutex_lock(&g_call_lock);
+    select_isa(name);
+    pthread_mutex_unlock(&g_call_lock);
+    return PyUnicode_FromString(g_isa);
+}
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyUnicode_FromString(g_isa);
+}
+
+static PyMethodDef methods[] = {
+    {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL, "gemm(x, w, scales, biases, out, N, bits, group, f16)"},
+    {"set_num_threads", py_set_num_threads, METH_O, "Threads per call, the caller's included; returns the count in use."},
+    {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads per call."},
+    {"set_spin_us", py_set_spin_us, METH_O, "How long idle workers spin before sleeping, in microseconds."},
+    {"set_isa", py_set_isa, METH_O, "Pick a code path by name, or None for the best one; returns its name."},
+    {"isa", py_isa, METH_NOARGS, "The code path in use."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qmatmul", "Quantized matmul kernels.", -1, methods};
+
+PyMODINIT_FUNC PyInit__qmatmul(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    select_isa(isa_supported("avx512vnni") ? "avx512vnni" : isa_supported("avx2") ? "avx2" : "generic");
+    return m;
+}
