@@ -128,9 +128,13 @@ avx512_rows(const Task *t, int p, int r0, const int RB) {
     __m512 facc[8];
     for (int r = 0; r < RB; r++) facc[r] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi32(0x000f000f), m8 = _mm512_set1_epi32(0x00ff00ff);
+    /* Several accumulators per row so that consecutive vpdpwssd do not wait on each other's
+       latency: 4 for few rows (a GEMV would otherwise run one dependency chain), 2 for more. */
+    const int NA = RB <= 4 ? 4 : 2;
     for (int g = 0; g < ng; g++) {
-        __m512i acc[8];
-        for (int r = 0; r < RB; r++) acc[r] = _mm512_setzero_si512();
+        __m512i acc[8][4];
+        for (int r = 0; r < RB; r++)
+            for (int a = 0; a < NA; a++) acc[r][a] = _mm512_setzero_si512();
         const uint32_t *wg = wp + (size_t)g * wpg * PANEL;
         const int32_t *xg = (const int32_t *)(t->xq + (size_t)r0 * K) + g * G / 2;
         const int xstride = K / 2;
@@ -143,10 +147,10 @@ avx512_rows(const Task *t, int p, int r0, const int RB) {
                 __m512i w3 = _mm512_and_si512(_mm512_srli_epi32(v, 12), m4);
                 for (int r = 0; r < RB; r++) {
                     const int32_t *x = xg + r * xstride + 4 * j;
-                    acc[r] = _mm512_dpwssd_epi32(acc[r], w0, _mm512_set1_epi32(x[0]));
-                    acc[r] = _mm512_dpwssd_epi32(acc[r], w1, _mm512_set1_epi32(x[1]));
-                    acc[r] = _mm512_dpwssd_epi32(acc[r], w2, _mm512_set1_epi32(x[2]));
-                    acc[r] = _mm512_dpwssd_epi32(acc[r], w3, _mm512_set1_epi32(x[3]));
+                    acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], w0, _mm512_set1_epi32(x[0]));
+                    acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], w1, _mm512_set1_epi32(x[1]));
+                    acc[r][2 % NA] = _mm512_dpwssd_epi32(acc[r][2 % NA], w2, _mm512_set1_epi32(x[2]));
+                    acc[r][3 % NA] = _mm512_dpwssd_epi32(acc[r][3 % NA], w3, _mm512_set1_epi32(x[3]));
                 }
             }
         } else {
@@ -154,13 +158,16 @@ avx512_rows(const Task *t, int p, int r0, const int RB) {
                 __m512i v = _mm512_loadu_si512(wg + j * PANEL);
                 __m512i w0 = _mm512_and_si512(v, m8);
                 __m512i w1 = _mm512_and_si512(_mm512_srli_epi32(v, 8), m8);
+                const int a = 2 * (j & 1) % NA;
                 for (int r = 0; r < RB; r++) {
                     const int32_t *x = xg + r * xstride + 2 * j;
-                    acc[r] = _mm512_dpwssd_epi32(acc[r], w0, _mm512_set1_epi32(x[0]));
-                    acc[r] = _mm512_dpwssd_epi32(acc[r], w1, _mm512_set1_epi32(x[1]));
+                    acc[r][a] = _mm512_dpwssd_epi32(acc[r][a], w0, _mm512_set1_epi32(x[0]));
+                    acc[r][a + 1] = _mm512_dpwssd_epi32(acc[r][a + 1], w1, _mm512_set1_epi32(x[1]));
                 }
             }
         }
+        for (int r = 0; r < RB; r++)
+            for (int a = 1; a < NA; a++) acc[r][0] = _mm512_add_epi32(acc[r][0], acc[r][a]);
         size_t so = ((size_t)p * ng + g) * PANEL;
         __m512 s, b;
         if (t->f16) {
@@ -172,7 +179,7 @@ avx512_rows(const Task *t, int p, int r0, const int RB) {
         }
         for (int r = 0; r < RB; r++) {
             size_t xi = (size_t)(r0 + r) * ng + g;
-            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(s, _mm512_set1_ps(t->xd[xi])), facc[r]);
+            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][0]), _mm512_mul_ps(s, _mm512_set1_ps(t->xd[xi])), facc[r]);
             facc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(t->xs[xi]), facc[r]);
         }
     }

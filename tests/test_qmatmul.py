@@ -1,0 +1,178 @@
+"""Quantized matmul kernels against the dequantized float32 reference, on every storage type and path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from edgeserve.backends import qmatmul as qm
+from edgeserve.quant.affine import QuantizedTensor, quantize
+
+ROWS = (1, 3, 16, 64, 300)
+
+
+def _isas() -> list[str]:
+    """Every C code path this CPU runs (the best one last, so it stays selected afterwards)."""
+    if qm._ext is None:
+        return []
+    found = []
+    for isa in ("generic", "avx2", "avx512vnni"):
+        try:
+            qm._ext.set_isa(isa)
+            found.append(isa)
+        except ValueError:
+            pass
+    qm._ext.set_isa(None)
+    return found
+
+
+ISAS = _isas()
+IMPLS = [*(f"c/{isa}" for isa in ISAS), "numba"]
+
+
+@pytest.fixture
+def impl(request):
+    """Select a code path for one test, restoring the default C path afterwards."""
+    name = request.param
+    if name.startswith("c/"):
+        qm._ext.set_isa(name[2:])
+        yield "c"
+        qm._ext.set_isa(None)
+    else:
+        yield name
+
+
+def _tensor(rng, n: int, k: int, bits: int, group: int, scales: str) -> QuantizedTensor:
+    """A random quantized [n, k] matrix with float16, float32 or bfloat16 scales and biases."""
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    t = quantize(w.astype(np.float16) if scales == "f16" else w, group, bits)
+    if scales == "bf16":  # bfloat16 as MLX folders store it: the top half of the float32 bits
+        to_bf16 = lambda a: (a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
+        t = QuantizedTensor(t.weight, to_bf16(t.scales), to_bf16(t.biases), bits, group)
+    return t
+
+
+def _check(got: np.ndarray, x: np.ndarray, w: np.ndarray, kind: str, group: int) -> None:
+    """Compare with x @ w.T within the error the kernel's arithmetic allows.
+
+    Both paths sum float32 products in their own order (2e-5 of sum |x||w| covers K up to
+    thousands). The C path also rounds x to int16 per weight group: each element moves by at most
+    max|x in its group| / 65534, so the output by at most that, weighted by |w|.
+    """
+    ref = x @ w.T
+    tol = 2e-5 * (np.abs(x) @ np.abs(w).T) + 1e-7
+    if kind == "c":
+        amax = np.abs(x).reshape(len(x), -1, group).max(axis=2)
+        step = np.repeat(amax, group, axis=1) / 65534
+        tol += 1.01 * (step @ np.abs(w).T)
+    assert got.shape == ref.shape and got.dtype == np.float32
+    bad = np.abs(got - ref) > tol
+    assert not bad.any(), f"{bad.sum()} outputs off, worst {np.abs(got - ref).max():.3g}"
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("scales", ["f16", "f32", "bf16"])
+def test_parity_every_storage_type(impl, bits, group, scales):
+    rng = np.random.default_rng(bits * 1000 + group)
+    # 37 columns: two full panels of 16 and a ragged one
+    t = _tensor(rng, 37, 3 * group, bits, group, scales)
+    m = qm.prepare([t])
+    w = t.dequantize()
+    for rows in ROWS:
+        x = rng.standard_normal((rows, 3 * group)).astype(np.float32)
+        _check(qm.qmatmul(x, m, impl=impl), x, w, impl, group)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+@pytest.mark.parametrize("n, k, group", [(1, 32, 32), (15, 128, 128), (16, 64, 64), (17, 32, 32), (200, 96, 32)])
+def test_odd_shapes(impl, n, k, group):
+    rng = np.random.default_rng(n + k)
+    for bits in (4, 8):
+        t = _tensor(rng, n, k, bits, group, "f16")
+        m = qm.prepare([t])
+        for rows in (1, 7, 65):
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            _check(qm.qmatmul(x, m, impl=impl), x, t.dequantize(), impl, group)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+def test_other_widths_are_repacked_exactly(impl):
+    rng = np.random.default_rng(5)
+    for bits in (2, 3, 5, 6):
+        t = _tensor(rng, 24, 64, bits, 64, "f32")
+        m = qm.prepare([t])
+        assert m.segments[0].bits == 8
+        x = rng.standard_normal((5, 64)).astype(np.float32)
+        _check(qm.qmatmul(x, m, impl=impl), x, t.dequantize(), impl, 64)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+def test_concatenated_parts(impl):
+    rng = np.random.default_rng(7)
+    q, k, v = (_tensor(rng, n, 128, 4, 32, "f16") for n in (40, 8, 8))
+    m = qm.prepare([q, k, v])
+    assert m.shape == (56, 128) and len(m.segments) == 1
+    w = np.concatenate([p.dequantize() for p in (q, k, v)])
+    x = rng.standard_normal((16, 128)).astype(np.float32)
+    _check(qm.qmatmul(x, m, impl=impl), x, w, impl, 32)
+    # mixed storage: one segment per run of one format, float parts through BLAS
+    dense = rng.standard_normal((9, 128)).astype(np.float32)
+    parts = [q, _tensor(rng, 20, 128, 8, 64, "bf16"), dense, v]
+    m = qm.prepare(parts)
+    assert [s.bits for s in m.segments] == [4, 8, 0, 4]
+    w = np.concatenate([p if isinstance(p, np.ndarray) else p.dequantize() for p in parts])
+    for rows in (1, 300):
+        x = rng.standard_normal((rows, 128)).astype(np.float32)
+        _check(qm.qmatmul(x, m, impl=impl), x, w, impl, 32)
+
+
+def test_qembed():
+    rng = np.random.default_rng(3)
+    for bits, scales in ((4, "f16"), (8, "f32"), (4, "bf16")):
+        t = _tensor(rng, 50, 64, bits, 32, scales)
+        ids = np.array([0, 49, 17, 17, 33])
+        want = t.dequantize()[ids]
+        np.testing.assert_array_equal(qm.qembed(qm.prepare([t]), ids), want)
+        np.testing.assert_array_equal(qm.qembed(t, ids), want)
+    dense = rng.standard_normal((4, 64)).astype(np.float32)
+    m = qm.prepare([t, dense])
+    np.testing.assert_array_equal(qm.qembed(m, [52, 3, 50]), np.concatenate([t.dequantize(), dense])[[52, 3, 50]])
+
+
+def test_storage_stays_quantized():
+    rng = np.random.default_rng(1)
+    t = _tensor(rng, 960, 576, 4, 32, "f16")
+    m = qm.prepare([t])
+    stored = t.weight.nbytes + t.scales.nbytes + t.biases.nbytes
+    assert m.nbytes == stored  # 960 is a whole number of panels: no padding
+    assert m.shape == (960, 576)
+
+
+@pytest.mark.skipif(qm._ext is None, reason="C extension not built")
+def test_threads_and_out_argument():
+    rng = np.random.default_rng(2)
+    t = _tensor(rng, 300, 256, 4, 64, "f16")
+    m = qm.prepare([t])
+    x = rng.standard_normal((20, 256)).astype(np.float32)
+    n = qm.set_num_threads()
+    try:
+        many = qm.qmatmul(x, m)
+        assert qm.set_num_threads(1) == 1
+        out = np.full((20, 300), np.nan, np.float32)
+        assert qm.qmatmul(x, m, out) is out
+        np.testing.assert_array_equal(out, many)  # each output is summed by one thread, in one order
+    finally:
+        qm.set_num_threads(n)
+
+
+def test_environment_forces_numba():
+    env = {**os.environ, "EDGESERVE_QMATMUL": "numba"}
+    code = "from edgeserve.backends import qmatmul; print(qmatmul.kernel_name())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "numba"
