@@ -1,6 +1,7 @@
 """Where the chat front ends send a conversation: the in-process engine, or a remote OpenAI-compatible server.
 
-The terminal chat and the TUI talk to a ChatBackend only, so neither cares which one it is.
+The terminal chat and the TUI talk to a ChatClient only, so neither cares which one it is. ("Backend"
+is kept for the array backends, NumPy and MLX, that the engine computes with.)
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ class KVBlock:
 
 
 @dataclass
-class BackendStatus:
-    """A live picture of the backend; what a backend cannot tell is None."""
+class ServingStatus:
+    """A live picture of the engine behind a client; what a client cannot tell is None."""
 
     running: int | None = None
     waiting: int | None = None
@@ -76,9 +77,9 @@ class BackendStatus:
     kv_blocks: list[KVBlock] | None = None
 
 
-class ChatBackend(ABC):
+class ChatClient(ABC):
     model_name: str = ""
-    backend_name: str = ""
+    runs_on: str = ""  # what computes the answers: the array backend's name, or the server's address
     context_tokens: int | None = None  # the most tokens one conversation may hold, where known
 
     async def start(self) -> None:
@@ -88,7 +89,7 @@ class ChatBackend(ABC):
         """Release what start() opened."""
 
     def count_tokens(self, messages: list[dict]) -> int | None:
-        """The prompt length of messages, where this backend can tell."""
+        """The prompt length of messages, where this client can tell."""
         return None
 
     def fit(self, conversation: Conversation, params: SamplingParams) -> int:
@@ -103,7 +104,7 @@ class ChatBackend(ABC):
         """The answer to messages, piece by piece; leaving the loop early (or cancelling) stops the request."""
 
     @abstractmethod
-    async def status(self) -> BackendStatus: ...
+    async def status(self) -> ServingStatus: ...
 
 
 def _nbytes(obj: Any) -> int:
@@ -116,7 +117,7 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
-class EngineChatBackend(ChatBackend):
+class EngineClient(ChatClient):
     """The in-process engine, shared by every session of a front end."""
 
     def __init__(self, aengine: AsyncEngine):
@@ -124,7 +125,7 @@ class EngineChatBackend(ChatBackend):
         engine = aengine.engine
         self.engine = engine
         self.model_name = engine.model.source.name
-        self.backend_name = engine.backend.name
+        self.runs_on = engine.backend.name
         m = engine.runner.model  # the weights as the backend holds them (NumPy dequantizes to float32)
         weights = _nbytes([m.embed, m.norm, m.layers]) + (0 if m.lm_head is m.embed else _nbytes(m.lm_head))
         self.memory_bytes = weights + engine.pool_size.bytes
@@ -145,18 +146,18 @@ class EngineChatBackend(ChatBackend):
                                    out.ttft, out.elapsed, out.finish_reason)
             yield ReplyChunk(out.text, out.num_output_tokens, stats)
 
-    async def status(self) -> BackendStatus:
+    async def status(self) -> ServingStatus:
         # both read between two steps, so the figures and the map agree
         st, kv = await self.aengine.call(lambda engine: (engine.stats(), engine.kv_map()))
         blocks = [KVBlock(state, owners) for state, owners in kv]
-        return BackendStatus(
+        return ServingStatus(
             running=st.running, waiting=st.waiting, batch_size=st.last_batch_seqs if st.running else 0,
             tokens_per_second=st.tokens_per_second if st.running else 0.0, memory_bytes=self.memory_bytes,
             prefix_hit_rate=st.prefix_hit_rate,
             block_size=self.engine.pool_size.block_size, kv_blocks=blocks)
 
 
-class RemoteChatBackend(ChatBackend):
+class RemoteClient(ChatClient):
     """A running `edgeserve serve`, or any OpenAI-compatible server, through the openai client.
 
     The KV map comes from the edgeserve-only `GET /v1/edgeserve/kv`, the engine figures from its
@@ -171,7 +172,7 @@ class RemoteChatBackend(ChatBackend):
         self.url = url.rstrip("/").removesuffix("/v1")
         self.api_key = api_key
         self.model_name = model or ""
-        self.backend_name = f"server {self.url}"
+        self.runs_on = f"server {self.url}"
         self.client: Any = None
         self._http: Any = None
         self._missing: set[str] = set()  # paths the server answered 404 (or alike)
@@ -301,12 +302,12 @@ class RemoteChatBackend(ChatBackend):
                     continue
         return samples
 
-    async def status(self) -> BackendStatus:
+    async def status(self) -> ServingStatus:
         kv = await self._kv_map()
         metrics = await self._metrics()
         running = metrics.get("edgeserve_requests_running")
         waiting = metrics.get("edgeserve_requests_waiting")
-        return BackendStatus(
+        return ServingStatus(
             running=len(self._active) if running is None else int(running),
             waiting=None if waiting is None else int(waiting),
             tokens_per_second=metrics.get("edgeserve_generation_tokens_per_second", self._client_tokens_per_second()),

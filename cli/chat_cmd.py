@@ -15,12 +15,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from edgeserve.engine.async_engine import AsyncEngine
-from edgeserve.cli.chat_backends import ChatBackend, EngineChatBackend, ReplyStats
+from edgeserve.cli.chat_clients import ChatClient, EngineClient, ReplyChunk, ReplyStats
+from edgeserve.cli.chat_turn import Turn
 from edgeserve.cli.options import build_engine, model_options
 from edgeserve.cli.conversation import COMMANDS, Conversation
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import home
-from edgeserve.sampling_params import SamplingParams
 from edgeserve.units import format_size
 
 PROMPT = ">>> "
@@ -65,8 +65,8 @@ def _prompt_session() -> PromptSession:
 class ChatRepl:
     """Read a line, run it as a slash command or send it with the whole history, stream the answer."""
 
-    def __init__(self, backend: ChatBackend, conversation: Conversation, console: Console | None = None):
-        self.backend = backend
+    def __init__(self, client: ChatClient, conversation: Conversation, console: Console | None = None):
+        self.client = client
         self.conversation = conversation
         self.console = console or Console(highlight=False, soft_wrap=True)
         self.last: ReplyStats | None = None
@@ -88,7 +88,7 @@ class ChatRepl:
         return line.rstrip("\n")
 
     async def run(self) -> None:
-        self.note(f"{self.backend.model_name} on {self.backend.backend_name}. /help lists the commands; Ctrl-D leaves.")
+        self.note(f"{self.client.model_name} on {self.client.runs_on}. /help lists the commands; Ctrl-D leaves.")
         while True:
             try:
                 line = (await self._read()).strip()
@@ -127,13 +127,13 @@ class ChatRepl:
     async def show_stats(self) -> None:
         conv = self.conversation
         size = f"{len(conv.turns)} messages"
-        if conv.messages() and (tokens := self.backend.count_tokens(conv.messages())) is not None:
-            size += f", {tokens} of {self.backend.context_tokens} context tokens"
+        if conv.messages() and (tokens := self.client.count_tokens(conv.messages())) is not None:
+            size += f", {tokens} of {self.client.context_tokens} context tokens"
         lines = [f"conversation: {size}; system prompt: {conv.system or '(the model default)'}"]
         params = conv.sampling_params()
         lines.append(f"settings: temperature={params.temperature}, top_p={params.top_p}, "
                      f"max_tokens={params.max_tokens} (/set changes them)")
-        st = await self.backend.status()
+        st = await self.client.status()
         if st.kv_blocks is not None:
             counts = {s: sum(b.state == s for b in st.kv_blocks) for s in ("used", "shared", "cached", "free")}
             lines.append(f"KV pool: {len(st.kv_blocks)} blocks of {st.block_size} tokens: "
@@ -148,41 +148,31 @@ class ChatRepl:
             self.console.print(escape(line))
 
     async def answer(self, text: str) -> None:
-        conv = self.conversation
-        conv.add("user", text)
         try:
-            params = conv.sampling_params()
-            dropped = self.backend.fit(conv, params)
+            turn = Turn.begin(self.client, self.conversation, text)
         except EdgeserveError as exc:
-            conv.pop_user()
             self.error(str(exc))
             return
-        if dropped:
-            self.note(f"the conversation outgrew the context: dropped the {dropped} oldest messages "
+        if turn.dropped:
+            self.note(f"the conversation outgrew the context: dropped the {turn.dropped} oldest messages "
                       f"(/reset starts afresh)")
-        reply: list[str] = []
-        task = asyncio.ensure_future(self._stream(conv.messages(), params, reply))
+        # the answer streams in a task of its own, so that Ctrl-C can cancel it and leave the REPL running
+        task = asyncio.ensure_future(turn.answer(f"chat-{uuid.uuid4().hex[:12]}", self._print))
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, task.cancel)
-        stats, failure = None, None
         try:
             stats = await task
         except asyncio.CancelledError:
             self.console.print()
             self.note("[interrupted]")
+            return
         except EdgeserveError as exc:
-            failure = exc
+            self.console.print()
+            self.error(str(exc))
+            return
         finally:
             loop.remove_signal_handler(signal.SIGINT)
-        answer = "".join(reply)
-        if answer:
-            conv.add("assistant", answer)  # an interrupted answer stays as far as it got
-        else:
-            conv.pop_user()
-        if failure is not None:
-            self.console.print()
-            self.error(str(failure))
-        elif stats is not None:
+        if stats is not None:
             self.last = stats
             self.console.print()
             note = stats.summary()
@@ -190,15 +180,11 @@ class ChatRepl:
                 note += " · stopped at max_tokens"
             self.note(note)
 
-    async def _stream(self, messages: list[dict], params: SamplingParams, reply: list[str]) -> ReplyStats | None:
-        stats = None
-        async for chunk in self.backend.stream(messages, params, f"chat-{uuid.uuid4().hex[:12]}"):
-            if chunk.text:
-                reply.append(chunk.text)
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-            stats = chunk.stats or stats
-        return stats
+    @staticmethod
+    def _print(chunk: ReplyChunk) -> None:
+        if chunk.text:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
 
 
 @click.command()
@@ -215,6 +201,6 @@ def chat(model: str, backend: str, weights: str, kv_memory: str, system: str | N
     engine = build_engine(model, backend, kv_memory, weights, max_model_len=context)
     aengine = AsyncEngine(engine)
     try:
-        asyncio.run(ChatRepl(EngineChatBackend(aengine), conversation).run())
+        asyncio.run(ChatRepl(EngineClient(aengine), conversation).run())
     finally:
         aengine.shutdown()

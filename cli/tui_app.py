@@ -1,4 +1,4 @@
-"""The Textual app of `edgeserve tui`: chat sessions side by side, all streaming through one backend."""
+"""The Textual app of `edgeserve tui`: chat sessions side by side, all streaming through one chat client."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Header, Input, Static
 from textual.worker import Worker
 
-from edgeserve.cli.chat_backends import ChatBackend, ReplyStats
+from edgeserve.cli.chat_clients import ChatClient, ReplyChunk, ReplyStats
+from edgeserve.cli.chat_turn import Turn
 from edgeserve.cli.tui_panels import StatusPanel
 from edgeserve.cli.conversation import COMMANDS, Conversation
 from edgeserve.errors import EdgeserveError
@@ -161,36 +162,31 @@ class SessionPane(Vertical):
         self.update_title()
 
     def stop(self) -> None:
-        """Stop the answer now streaming; the backend aborts the request and frees its KV blocks."""
+        """Stop the answer now streaming; the client aborts the request and frees its KV blocks."""
         if self.worker is not None:
             self.worker.cancel()
 
     async def _answer(self, text: str) -> None:
-        backend: ChatBackend = self.app.backend
-        conv = self.conversation
-        conv.add("user", text)
         try:
-            params = conv.sampling_params()
-            dropped = backend.fit(conv, params)
+            turn = Turn.begin(self.app.client, self.conversation, text)
         except EdgeserveError as exc:
-            conv.pop_user()
             self.add_line(str(exc), "error")
             return
-        if dropped:
-            self.add_line(f"the conversation outgrew the context: dropped the {dropped} oldest messages", "note")
+        if turn.dropped:
+            self.add_line(f"the conversation outgrew the context: dropped the {turn.dropped} oldest messages", "note")
         reply = self.add_line("", "assistant")
-        parts: list[str] = []
+
+        def show(chunk: ReplyChunk) -> None:
+            self.streamed_tokens = chunk.output_tokens
+            if chunk.text:
+                reply.update(Text(turn.text))
+                self.query_one(".transcript", VerticalScroll).scroll_end(animate=False)
+                self.update_title()
+
         self.streamed_tokens = 0
         self.request_id = f"session{self.number}-{next(self._request_numbers)}"
         try:
-            async for chunk in backend.stream(conv.messages(), params, self.request_id):
-                self.streamed_tokens = chunk.output_tokens
-                if chunk.text:
-                    parts.append(chunk.text)
-                    reply.update(Text("".join(parts)))
-                    self.query_one(".transcript", VerticalScroll).scroll_end(animate=False)
-                    self.update_title()
-                self.last_stats = chunk.stats or self.last_stats
+            self.last_stats = await turn.answer(self.request_id, show) or self.last_stats
         except EdgeserveError as exc:
             self.add_line(str(exc), "error")
         except asyncio.CancelledError:
@@ -199,17 +195,12 @@ class SessionPane(Vertical):
             raise
         finally:
             self.request_id = None
-            answer = "".join(parts)
-            if answer:
-                conv.add("assistant", answer)  # a stopped answer stays as far as it got
-            else:
-                conv.pop_user()
             if self.is_attached:
                 self.call_later(self.update_title)
 
 
 class EdgeserveApp(App):
-    """Several chat sessions side by side, all streaming at once through one backend, and the engine's live state."""
+    """Several chat sessions side by side, all streaming at once through one client, and the engine's live state."""
 
     TITLE = "edgeserve"
     CSS = """
@@ -227,15 +218,15 @@ class EdgeserveApp(App):
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
-    def __init__(self, backend: ChatBackend, system: str | None = None, settings: dict | None = None,
+    def __init__(self, client: ChatClient, system: str | None = None, settings: dict | None = None,
                  refresh_interval: float = 0.25):
         super().__init__()
-        self.backend = backend
+        self.client = client
         self.system = system
         self.settings = dict(settings or {})
         Conversation(system, [], self.settings)  # reject bad settings before the screen opens
         self.refresh_interval = refresh_interval
-        self.status_panel = StatusPanel(backend.model_name, backend.backend_name, self.colour_of, id="status")
+        self.status_panel = StatusPanel(client.model_name, client.runs_on, self.colour_of, id="status")
         self.startup_error: str | None = None
         self._numbers = itertools.count(1)
 
@@ -252,18 +243,18 @@ class EdgeserveApp(App):
 
     async def on_mount(self) -> None:
         try:
-            await self.backend.start()
+            await self.client.start()
         except EdgeserveError as exc:
             self.startup_error = str(exc)
             self.exit(return_code=1)
             return
-        self.sub_title = f"{self.backend.model_name} on {self.backend.backend_name}"
-        self.status_panel.model = self.backend.model_name
+        self.sub_title = f"{self.client.model_name} on {self.client.runs_on}"
+        self.status_panel.model = self.client.model_name
         await self.action_new_session()
         self.set_interval(self.refresh_interval, self.refresh_status)
 
     async def on_unmount(self) -> None:
-        await self.backend.aclose()
+        await self.client.aclose()
 
     def colour_of(self, request_id: str) -> str | None:
         """The colour of the session whose answer is request_id, if it is one of ours."""
@@ -271,7 +262,7 @@ class EdgeserveApp(App):
 
     async def refresh_status(self) -> None:
         try:
-            status = await self.backend.status()
+            status = await self.client.status()
         except EdgeserveError:
             return
         self.status_panel.show(status)

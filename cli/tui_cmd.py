@@ -8,16 +8,16 @@ import click
 from click.core import ParameterSource
 
 from edgeserve.engine.async_engine import AsyncEngine
-from edgeserve.cli.chat_backends import ChatBackend, EngineChatBackend, RemoteChatBackend
+from edgeserve.cli.chat_clients import ChatClient, EngineClient, RemoteClient
 from edgeserve.cli.options import build_engine, model_options
 from edgeserve.cli.tui_app import EdgeserveApp
 from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import SamplingParams
 
 
-async def _check(backend: ChatBackend) -> None:
-    await backend.start()
-    await backend.aclose()
+async def _check(client: ChatClient) -> None:
+    await client.start()
+    await client.aclose()
 
 
 @click.command()
@@ -39,13 +39,13 @@ def tui(ctx: click.Context, model: str, backend: str, weights: str, kv_memory: s
     if url:
         # a server picks its own model unless one was asked for
         chosen = None if ctx.get_parameter_source("model") == ParameterSource.DEFAULT else model
-        chat_backend: ChatBackend = RemoteChatBackend(url, api_key, chosen)
-        asyncio.run(_check(chat_backend))  # an unreachable server is one line of error, before the screen opens
+        client: ChatClient = RemoteClient(url, api_key, chosen)
+        asyncio.run(_check(client))  # an unreachable server is one line of error, before the screen opens
     else:
         aengine = AsyncEngine(build_engine(model, backend, kv_memory, weights))
-        chat_backend = EngineChatBackend(aengine)
+        client = EngineClient(aengine)
     try:
-        app = EdgeserveApp(chat_backend, system, settings)
+        app = EdgeserveApp(client, system, settings)
         app.run()
     finally:
         if aengine is not None:

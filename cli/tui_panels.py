@@ -11,7 +11,7 @@ from textual.containers import Vertical
 from textual.widget import Widget
 from textual.widgets import Static
 
-from edgeserve.cli.chat_backends import BackendStatus, KVBlock
+from edgeserve.cli.chat_clients import ServingStatus, KVBlock
 from edgeserve.units import format_size
 
 # How each block state is drawn; a used or shared block takes the colour of the session holding it.
@@ -71,11 +71,11 @@ class StatusPanel(Vertical):
     StatusPanel > #kv-legend { height: auto; }
     """
 
-    def __init__(self, model: str, backend: str, colour_of: ColourOf, **kwargs: object):
+    def __init__(self, model: str, runs_on: str, colour_of: ColourOf, **kwargs: object):
         super().__init__(**kwargs)
         self.model = model
-        self.backend = backend
-        self.status = BackendStatus()
+        self.runs_on = runs_on
+        self.status = ServingStatus()
         self.figures = Static(id="figures")
         self.kv_title = Static("KV pool", id="kv-title")
         self.kv_map = KVMap(colour_of, id="kv-map")
@@ -94,7 +94,7 @@ class StatusPanel(Vertical):
         self.border_title = "engine"
         self.show(self.status)
 
-    def show(self, status: BackendStatus) -> None:
+    def show(self, status: ServingStatus) -> None:
         self.status = status
 
         def figure(value: object, fmt: str = "{}") -> str:
@@ -102,7 +102,7 @@ class StatusPanel(Vertical):
 
         lines = [
             f"model    {self.model}",
-            f"backend  {self.backend}",
+            f"backend  {self.runs_on}",
             "memory   " + ("—" if status.memory_bytes is None
                                else f"{format_size(status.memory_bytes)} (weights + KV pool)"),
             f"running  {figure(status.running)}   waiting {figure(status.waiting)}   batch {figure(status.batch_size)}",

@@ -18,7 +18,7 @@ from starlette.responses import PlainTextResponse
 from textual.widgets import Input
 
 from edgeserve.engine.async_engine import AsyncEngine
-from edgeserve.cli.chat_backends import EngineChatBackend, RemoteChatBackend
+from edgeserve.cli.chat_clients import EngineClient, RemoteClient
 from edgeserve.cli.options import build_engine
 from edgeserve.cli.tui_app import EdgeserveApp, HelpScreen, SessionPane
 from edgeserve.cli.tui_panels import KVMap, StatusPanel
@@ -37,8 +37,8 @@ def aengine(model_path) -> Iterator[AsyncEngine]:
     aengine.shutdown()
 
 
-def tui(backend, max_tokens: int) -> EdgeserveApp:
-    return EdgeserveApp(backend, settings={**GREEDY, "max_tokens": max_tokens}, refresh_interval=0.05)
+def tui(client, max_tokens: int) -> EdgeserveApp:
+    return EdgeserveApp(client, settings={**GREEDY, "max_tokens": max_tokens}, refresh_interval=0.05)
 
 
 async def wait_until(pilot, condition: Callable[[], bool], what: str) -> None:
@@ -62,7 +62,7 @@ async def engine_state(aengine: AsyncEngine) -> tuple[list[str], list[tuple[str,
 
 
 async def test_three_sessions_stream_at_once_and_hold_blocks_in_the_kv_map(aengine):
-    app = tui(EngineChatBackend(aengine), max_tokens=40)
+    app = tui(EngineClient(aengine), max_tokens=40)
     async with app.run_test(size=(160, 45)) as pilot:
         await pilot.press("ctrl+n", "ctrl+n")
         sessions = app.sessions
@@ -101,7 +101,7 @@ async def test_three_sessions_stream_at_once_and_hold_blocks_in_the_kv_map(aengi
 
 
 async def test_stopping_keeps_the_session_and_closing_aborts_its_request(aengine):
-    app = tui(EngineChatBackend(aengine), max_tokens=200)
+    app = tui(EngineClient(aengine), max_tokens=200)
     async with app.run_test(size=(120, 40)) as pilot:
         pane = app.sessions[0]
         await send(pilot, pane, LONG_PROMPT)
@@ -130,7 +130,7 @@ async def test_stopping_keeps_the_session_and_closing_aborts_its_request(aengine
 
 
 async def test_each_session_keeps_its_own_settings_and_the_help_lists_the_keys(aengine):
-    app = tui(EngineChatBackend(aengine), max_tokens=8)
+    app = tui(EngineClient(aengine), max_tokens=8)
     async with app.run_test(size=(160, 45)) as pilot:
         await pilot.press("ctrl+n")
         first, second = app.sessions
@@ -158,7 +158,7 @@ def without_edgeserve_extras(app):
     """The edgeserve server with its KV map and metrics removed: any other OpenAI-compatible server."""
 
     async def plain(scope, receive, send):
-        if scope["type"] == "http" and scope["path"] in (RemoteChatBackend.KV_PATH, RemoteChatBackend.METRICS_PATH):
+        if scope["type"] == "http" and scope["path"] in (RemoteClient.KV_PATH, RemoteClient.METRICS_PATH):
             return await PlainTextResponse("Not Found", status_code=404)(scope, receive, send)
         return await app(scope, receive, send)
 
@@ -188,10 +188,10 @@ def serving(app) -> Iterator[str]:
 async def test_a_session_streams_from_a_server(aengine, edgeserve_server):
     server_app = create_app(aengine, "smollm2-135m-instruct")
     with serving(server_app if edgeserve_server else without_edgeserve_extras(server_app)) as url:
-        app = tui(RemoteChatBackend(url), max_tokens=48)  # streams long enough for a KV-map poll to see it
+        app = tui(RemoteClient(url), max_tokens=48)  # streams long enough for a KV-map poll to see it
         async with app.run_test(size=(160, 45)) as pilot:
             pane, kv_map = app.sessions[0], app.query_one(KVMap)
-            assert app.backend.model_name == "smollm2-135m-instruct"
+            assert app.client.model_name == "smollm2-135m-instruct"
             holders: set = set()
 
             def done() -> bool:

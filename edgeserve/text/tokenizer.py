@@ -90,8 +90,8 @@ _IGNORE_MERGES_FAMILIES = {"llama3"}
 _ADD_BOS_BY_DEFAULT_FAMILIES = {"llama3"}
 
 
-class _Backend(Protocol):
-    """What `Tokenizer` needs from an engine; special tokens in text are always parsed."""
+class _Codec(Protocol):
+    """What `Tokenizer` needs from the library doing the work; special tokens in text are always parsed."""
 
     vocab_size: int
     special_ids: set[int]
@@ -116,7 +116,7 @@ class _Backend(Protocol):
         ...
 
 
-class _TokenizersBackend:
+class _TokenizersCodec:
     """A Hugging Face `tokenizers` pipeline."""
 
     def __init__(self, tok: tokenizers.Tokenizer) -> None:
@@ -157,7 +157,7 @@ class _TokenizersBackend:
         return {"tokenizer_class": "PreTrainedTokenizerFast"}
 
 
-class _SentencePieceBackend:
+class _SentencePieceCodec:
     """A SentencePiece model, plus the tokens that llama.cpp cuts out of text before it."""
 
     def __init__(self, model_proto: bytes, added_tokens: dict[int, AddedToken] | None = None):
@@ -264,7 +264,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        backend: _Backend,
+        codec: _Codec,
         *,
         bos_token_id: int | None,
         eos_token_id: int | None,
@@ -272,19 +272,19 @@ class Tokenizer:
         add_bos: bool,
         chat_template: str | None,
     ) -> None:
-        self._backend = backend
-        self.vocab_size: int = backend.vocab_size
+        self._codec = codec
+        self.vocab_size: int = codec.vocab_size
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
-        self.bos_token = None if bos_token_id is None else backend.id_to_token(bos_token_id)
-        self.eos_token = None if eos_token_id is None else backend.id_to_token(eos_token_id)
+        self.bos_token = None if bos_token_id is None else codec.id_to_token(bos_token_id)
+        self.eos_token = None if eos_token_id is None else codec.id_to_token(eos_token_id)
         self.add_bos = add_bos and bos_token_id is not None
         self.chat_template = chat_template
         declared = {eos_token_id, *extra_eos_token_ids} - {None}
         by_name = {
             i
             for text in END_OF_GENERATION_TEXTS
-            if (i := backend.token_to_id(text)) is not None and i in backend.special_ids
+            if (i := codec.token_to_id(text)) is not None and i in codec.special_ids
         }
         self.eos_token_ids: set[int] = declared | by_name
 
@@ -296,24 +296,24 @@ class Tokenizer:
         """
         if add_bos is None:
             add_bos = self.add_bos and not (self.bos_token and text.startswith(self.bos_token))
-        ids = self._backend.encode(text)
+        ids = self._codec.encode(text)
         if add_bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens)
+        return self._codec.decode(list(ids), skip_special_tokens)
 
     def is_special(self, token_id: int) -> bool:
         """True for control tokens (BOS, EOS, <|im_start|>, ...), which decode to markup."""
-        return token_id in self._backend.special_ids
+        return token_id in self._codec.special_ids
 
     def token_to_id(self, token: str) -> int | None:
-        return self._backend.token_to_id(token)
+        return self._codec.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of an id, in the engine's own spelling (e.g. 'Ġworld')."""
-        return self._backend.id_to_token(token_id)
+        return self._codec.id_to_token(token_id)
 
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any]) -> Tokenizer:
@@ -322,9 +322,9 @@ class Tokenizer:
         if "tokenizer.ggml.tokens" not in metadata:
             raise ModelLoadError("GGUF file has no embedded vocabulary (tokenizer.ggml.tokens)")
         if kind == "gpt2":
-            backend, add_bos_default = _byte_level_bpe_from_gguf(metadata)
+            codec, add_bos_default = _byte_level_bpe_from_gguf(metadata)
         elif kind == "llama":
-            backend, add_bos_default = _sentencepiece_from_gguf(metadata), True
+            codec, add_bos_default = _sentencepiece_from_gguf(metadata), True
         else:
             raise ModelLoadError(
                 f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)"
@@ -335,7 +335,7 @@ class Tokenizer:
             if key in metadata
         ]
         return cls(
-            backend,
+            codec,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
             extra_eos_token_ids=extra_eos,
@@ -350,7 +350,7 @@ class Tokenizer:
         config = _read_json(path / "tokenizer_config.json")
         if (path / "tokenizer.json").is_file():
             try:
-                backend: _Backend = _TokenizersBackend(
+                codec: _Codec = _TokenizersCodec(
                     tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
                 )
             except Exception as exc:  # tokenizers raises a bare Exception on bad files
@@ -361,14 +361,14 @@ class Tokenizer:
                 for i, t in config.get("added_tokens_decoder", {}).items()
             }
             try:
-                backend = _SentencePieceBackend((path / "tokenizer.model").read_bytes(), added)
+                codec = _SentencePieceCodec((path / "tokenizer.model").read_bytes(), added)
             except RuntimeError as exc:
                 raise ModelLoadError(f"{path / 'tokenizer.model'}: cannot load ({exc})") from exc
         else:
             raise ModelLoadError(f"no tokenizer.json or tokenizer.model in {path}")
 
-        bos_id = _configured_token_id(backend, config, "bos_token", backend.default_bos_token_id)
-        eos_id = _configured_token_id(backend, config, "eos_token", backend.default_eos_token_id)
+        bos_id = _configured_token_id(codec, config, "bos_token", codec.default_bos_token_id)
+        eos_id = _configured_token_id(codec, config, "eos_token", codec.default_eos_token_id)
         generation = _read_json(path / "generation_config.json")
         generation_eos = generation.get("eos_token_id")
         if isinstance(generation_eos, int):
@@ -378,9 +378,9 @@ class Tokenizer:
         if "add_bos_token" in config:
             add_bos = bool(config["add_bos_token"])
         else:
-            add_bos = backend.adds_bos_by_default(bos_id)
+            add_bos = codec.adds_bos_by_default(bos_id)
         return cls(
-            backend,
+            codec,
             bos_token_id=bos_id,
             eos_token_id=eos_id,
             extra_eos_token_ids=generation_eos or (),
@@ -396,7 +396,7 @@ class Tokenizer:
         """
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        config = self._backend.save(out_dir, self.bos_token, self.add_bos)
+        config = self._codec.save(out_dir, self.bos_token, self.add_bos)
         config.update(
             {
                 "bos_token": self.bos_token,
@@ -413,7 +413,7 @@ class Tokenizer:
         )
 
 
-def _byte_level_bpe_from_gguf(metadata: dict[str, Any]) -> tuple[_TokenizersBackend, bool]:
+def _byte_level_bpe_from_gguf(metadata: dict[str, Any]) -> tuple[_TokenizersCodec, bool]:
     """A GPT-2 style byte-level BPE built from GGUF tokens and merges; also its BOS default."""
     pre = metadata.get("tokenizer.ggml.pre", "default")
     family = _PRE_TOKENIZER_FAMILY.get(pre)
@@ -444,7 +444,7 @@ def _byte_level_bpe_from_gguf(metadata: dict[str, Any]) -> tuple[_TokenizersBack
             if types[i] in (TokenType.CONTROL, TokenType.USER_DEFINED)
         ]
     )
-    return _TokenizersBackend(tok), family in _ADD_BOS_BY_DEFAULT_FAMILIES
+    return _TokenizersCodec(tok), family in _ADD_BOS_BY_DEFAULT_FAMILIES
 
 
 def _split_merge(merge: str) -> tuple[str, str]:
@@ -455,7 +455,7 @@ def _split_merge(merge: str) -> tuple[str, str]:
     return merge[:cut], merge[cut + 1 :]
 
 
-def _sentencepiece_from_gguf(metadata: dict[str, Any]) -> _SentencePieceBackend:
+def _sentencepiece_from_gguf(metadata: dict[str, Any]) -> _SentencePieceCodec:
     """A SentencePiece BPE model rebuilt from GGUF tokens, scores and token types.
 
     GGUF token types number the kinds of piece as SentencePiece does, so they carry over as is.
@@ -483,7 +483,7 @@ def _sentencepiece_from_gguf(metadata: dict[str, Any]) -> _SentencePieceBackend:
     for token, score, kind in zip(tokens, scores, types, strict=True):
         proto.pieces.add(piece=token, score=score, type=kind)
     try:
-        return _SentencePieceBackend(proto.SerializeToString())
+        return _SentencePieceCodec(proto.SerializeToString())
     except RuntimeError as exc:
         raise ModelLoadError(f"GGUF SentencePiece vocabulary is invalid ({exc})") from exc
 
@@ -498,7 +498,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _configured_token_id(
-    backend: _Backend, config: dict[str, Any], key: str, default: int | None
+    codec: _Codec, config: dict[str, Any], key: str, default: int | None
 ) -> int | None:
     """The id of a tokenizer_config special token (a string or an AddedToken dict), if set."""
     if key not in config:
@@ -506,7 +506,7 @@ def _configured_token_id(
     token = config[key]
     if isinstance(token, dict):
         token = token.get("content")
-    return None if token is None else backend.token_to_id(token)
+    return None if token is None else codec.token_to_id(token)
 
 
 def _configured_chat_template(path: Path, config: dict[str, Any]) -> str | None:
