@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from typing import Any
 
 import click
 from rich.console import Console
@@ -13,6 +12,7 @@ from rich.table import Table
 
 from edgeserve.bench import workloads
 from edgeserve.cli.options import model_options
+from edgeserve.config import EngineConfig
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.loader import load_model
 
@@ -61,35 +61,33 @@ def bench_cmd(model: str, backend: str, weights: str, kv_memory: str, workload: 
         _emit(results, as_json)
         return
 
-    def engine(**kw: Any) -> LLMEngine:
-        kw.setdefault("max_num_seqs", max_batch)
-        return LLMEngine(loaded, backend=backend, weights=weights, kv_memory=kv_memory, **kw)
-
-    results["backend"] = engine().backend.name
+    # each workload on a fresh engine, so none starts with another's prefix cache
+    config = EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory, max_num_seqs=max_batch)
+    results["backend"] = LLMEngine(loaded, config).backend.name
     print(f"{loaded.source.name} on {results['backend']}", file=sys.stderr)
     if workload in ("single", "all"):
         req = workloads.uniform_workload(tok, 1, 512, 128, seed)
-        r = workloads.run_engine(engine(), req, "single stream").summary()
+        r = workloads.run_engine(LLMEngine(loaded, config), req, "single stream").summary()
         r["prefill_tokens_per_s"] = round(512 / r["ttft_p50_s"], 1)
         results["single"] = r
     if workload in ("mixed", "all"):
         requests = workloads.mixed_workload(tok, num_requests, seed, max_output=max_output)
-        cont = workloads.run_engine(engine(), requests, "continuous").summary()
-        static = workloads.run_engine(engine(static_batching=True), requests, "static").summary()
+        cont = workloads.run_engine(LLMEngine(loaded, config), requests, "continuous").summary()
+        static = workloads.run_engine(LLMEngine(loaded, config, static_batching=True), requests, "static").summary()
         ratio = round(cont["output_tokens_per_s"] / static["output_tokens_per_s"], 2)
         results["mixed"] = {"continuous": cont, "static": static, "continuous_over_static": ratio}
     if workload in ("sweep", "all"):
         rows = []
         for n in SWEEP:
             requests = workloads.uniform_workload(tok, n, 128, 128, seed)
-            e = engine(max_num_seqs=max(n, max_batch), max_num_batched_tokens=max(512, n))
+            e = LLMEngine(loaded, config, max_num_seqs=max(n, max_batch), max_num_batched_tokens=max(512, n))
             r = workloads.run_engine(e, requests, f"{n} streams").summary()
             rows.append({"streams": n, "decode_tokens_per_s": r["decode_tokens_per_s"],
                          "output_tokens_per_s": r["output_tokens_per_s"], "tpot_p50_s": r["tpot_p50_s"]})
         results["sweep"] = rows
     if workload in ("prefix", "all"):
         requests = workloads.shared_prefix_workload(tok, 16, 1500, seed=seed)
-        results["prefix"] = workloads.run_shared_prefix(engine(), requests)
+        results["prefix"] = workloads.run_shared_prefix(LLMEngine(loaded, config), requests)
     _emit(results, as_json)
 
 

@@ -18,6 +18,7 @@ from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.chat_clients import ChatClient, EngineClient, ReplyChunk, ReplyStats
 from edgeserve.cli.chat_turn import Turn
 from edgeserve.cli.options import build_engine, model_options
+from edgeserve.config import EngineConfig
 from edgeserve.cli.conversation import COMMANDS, Conversation
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import home
@@ -198,7 +199,8 @@ def chat(model: str, backend: str, weights: str, kv_memory: str, system: str | N
          max_tokens: int, context: int | None) -> None:
     """Talk with a model in the terminal; the answer streams as it is generated."""
     conversation = Conversation(system=system, settings={"temperature": temperature, "max_tokens": max_tokens})
-    engine = build_engine(model, backend, kv_memory, weights, max_model_len=context)
+    engine = build_engine(model, EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory,
+                                              max_model_len=context))
     aengine = AsyncEngine(engine)
     try:
         asyncio.run(ChatRepl(EngineClient(aengine), conversation).run())

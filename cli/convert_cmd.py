@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from edgeserve.cli.options import build_engine, model_options
+from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.loader import load_model
 from edgeserve.quant.convert import check_output, convert
@@ -64,6 +65,6 @@ def perplexity_cmd(text_path: Path | None, ctx: int, **model_opts: Any) -> None:
         text = (text_path or SHIPPED_TEXT).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise EdgeserveError(f"{text_path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
-    engine = build_engine(**model_opts)
+    engine = build_engine(model_opts.pop("model"), EngineConfig(**model_opts))
     result = text_perplexity(engine, text, ctx)
     click.echo(f"{result.describe()} on {text_path or SHIPPED_TEXT_TITLE}")

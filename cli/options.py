@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import click
 
-from edgeserve.backends import BACKENDS
-from edgeserve.backends.numpy_backend import WEIGHT_MODES
-from edgeserve.engine.llm_engine import DEFAULT_KV_MEMORY, LLMEngine
+from edgeserve.backends import BACKENDS, WEIGHT_MODES
+from edgeserve.config import DEFAULT_KV_MEMORY, EngineConfig
+from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.models.loader import load_model
 
@@ -29,11 +28,10 @@ def model_options(f: Callable) -> Callable:
     return f
 
 
-def build_engine(model: str, backend: str, kv_memory: str, weights: str = "auto", quiet: bool = False,
-                 **kwargs: Any) -> LLMEngine:
+def build_engine(model: str, config: EngineConfig, quiet: bool = False) -> LLMEngine:
     """Load the model and start an engine, printing what was allocated to stderr."""
     loaded = load_model(model)
-    engine = LLMEngine(loaded, backend=backend, weights=weights, kv_memory=kv_memory, **kwargs)
+    engine = LLMEngine(loaded, config)
     if not quiet:
         print(f"{loaded.source.name} on {engine.backend.describe()}; {engine.pool_size.describe()}", file=sys.stderr)
     return engine

@@ -9,6 +9,7 @@ import time
 import click
 
 from edgeserve.cli.options import build_engine, model_options
+from edgeserve.config import EngineConfig
 from edgeserve.sampling_params import SamplingParams
 
 
@@ -25,7 +26,7 @@ from edgeserve.sampling_params import SamplingParams
 def run(model: str, backend: str, weights: str, kv_memory: str, max_tokens: int, temperature: float, top_p: float,
         seed: int | None, system: str | None, raw: bool, as_json: bool, prompt: str) -> None:
     """Answer PROMPT once and exit."""
-    engine = build_engine(model, backend, kv_memory, weights, quiet=as_json)
+    engine = build_engine(model, EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory), quiet=as_json)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     if raw or engine.tokenizer.chat_template is None and system is None:
         ids = engine.tokenize_prompt(prompt)

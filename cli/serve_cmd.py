@@ -15,6 +15,7 @@ import uvicorn
 
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.options import build_engine, model_options
+from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import CATALOG
 from edgeserve.server.app import DEFAULT_MAX_QUEUE, create_app
@@ -74,7 +75,7 @@ def serve(model: str, backend: str, weights: str, kv_memory: str, host: str, por
           max_queue: int) -> None:
     """Serve a model over the OpenAI API (chat and text completions, streaming) for local tools."""
     sock = _listen(host, port)
-    engine = build_engine(model, backend, kv_memory, weights)
+    engine = build_engine(model, EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory))
     aengine = AsyncEngine(engine)
     name = served_model_name(model)
     app = create_app(aengine, name, api_key=api_key, max_queue=max_queue)

@@ -10,6 +10,7 @@ from click.core import ParameterSource
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.chat_clients import ChatClient, EngineClient, RemoteClient
 from edgeserve.cli.options import build_engine, model_options
+from edgeserve.config import EngineConfig
 from edgeserve.cli.tui_app import EdgeserveApp
 from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import SamplingParams
@@ -42,7 +43,7 @@ def tui(ctx: click.Context, model: str, backend: str, weights: str, kv_memory: s
         client: ChatClient = RemoteClient(url, api_key, chosen)
         asyncio.run(_check(client))  # an unreachable server is one line of error, before the screen opens
     else:
-        aengine = AsyncEngine(build_engine(model, backend, kv_memory, weights))
+        aengine = AsyncEngine(build_engine(model, EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory)))
         client = EngineClient(aengine)
     try:
         app = EdgeserveApp(client, system, settings)

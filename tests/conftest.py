@@ -1,10 +1,76 @@
-"""Shared fixtures: the real default model, pulled once into the cache."""
+"""Shared fixtures: a tiny random model for fast tests, and the real default model, pulled once into the cache."""
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tokenizers
 
 from edgeserve.models.catalog import DEFAULT_MODEL, pull
+from edgeserve.models.llama import ModelArgs
+from edgeserve.models.loader import LoadedModel
+from edgeserve.text.tokenizer import Tokenizer
+
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer(folder: Path) -> Tokenizer:
+    """A character-level byte BPE over printable ASCII and newline (no merges) plus ChatML tokens.
+
+    Every id decodes to exactly one character, so random outputs are plain text.
+    """
+    chars = ["\u010a", "\u0120", *map(chr, range(33, 127))]  # byte-level spelling of newline, space, then ASCII
+    vocab = {tok: i for i, tok in enumerate([*TINY_SPECIAL_TOKENS, *chars])}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, []))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.add_special_tokens(TINY_SPECIAL_TOKENS)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False,
+              "chat_template": TINY_CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return Tokenizer.from_dir(folder)
+
+
+def tiny_model_from(folder: Path, seed: int = 0) -> LoadedModel:
+    """Two layers, 64 wide, random weights from a seeded generator, over the tiny tokenizer."""
+    tokenizer = tiny_tokenizer(folder)
+    args = ModelArgs(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=tokenizer.vocab_size, max_position_embeddings=1024,
+                     tie_word_embeddings=True)
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+    h, kv, f = args.hidden_size, args.num_key_value_heads * args.head_dim, args.intermediate_size
+    weights = {"model.embed_tokens.weight": w(args.vocab_size, h), "model.norm.weight": np.ones(h, np.float32)}
+    for i in range(args.num_hidden_layers):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "input_layernorm.weight": np.ones(h, np.float32),
+            p + "post_attention_layernorm.weight": np.ones(h, np.float32),
+            p + "self_attn.q_proj.weight": w(h, h),
+            p + "self_attn.k_proj.weight": w(kv, h),
+            p + "self_attn.v_proj.weight": w(kv, h),
+            p + "self_attn.o_proj.weight": w(h, h),
+            p + "mlp.gate_proj.weight": w(f, h),
+            p + "mlp.up_proj.weight": w(f, h),
+            p + "mlp.down_proj.weight": w(h, f),
+        })
+    return LoadedModel(args, weights, tokenizer, folder, "safetensors")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A tiny random model: engine, scheduler and server tests on it run in milliseconds."""
+    return tiny_model_from(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="session")

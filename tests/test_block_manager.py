@@ -68,7 +68,7 @@ def test_invariants_hold(ops, caching, vocab):
             else:
                 bm.free_seq(seq)
                 live.remove(seq)
-        bm.pending_copies.clear()
+        bm.take_pending_copies()
         check_invariants(bm, live)
     for seq in live:
         bm.free_seq(seq)
@@ -102,7 +102,8 @@ def test_copy_on_write_for_shared_partial_block():
     bm.fork(parent, child)
     child.token_ids.append(9)
     assert bm.allocate_slots(child, 1)
-    assert bm.pending_copies == [(parent.block_table[-1], child.block_table[-1])]
+    assert bm.take_pending_copies() == [(parent.block_table[-1], child.block_table[-1])]
+    assert bm.take_pending_copies() == []
     assert parent.block_table[0] == child.block_table[0] and parent.block_table[1] != child.block_table[1]
     assert bm.ref_count[parent.block_table[0]] == 2 and bm.ref_count[parent.block_table[1]] == 1
 
@@ -119,7 +120,7 @@ def test_lru_eviction_prefers_oldest_cached():
     a_full, b_full = a.block_table[0], b.block_table[0]
     bm.free_seq(a)
     bm.free_seq(b)
-    assert bm.num_cached == 2
+    assert bm.usage().cached == 2 and bm.block_states().count("cached") == 2
     c = Sequence("c", [3] * 9, PARAMS)  # needs 3 blocks: 2 truly free + the oldest cached one (a's)
     bm.admit(c, [])
     assert bm.allocate_slots(c, 9)

@@ -1,4 +1,7 @@
-"""The paged KV pool and continuous batching engine on the real model (NumPy backend)."""
+"""The paged KV pool, the scheduler and the continuous batching engine (NumPy backend).
+
+Most tests run on the tiny random model; batch invariance is checked on the real model as well.
+"""
 
 import asyncio
 import contextlib
@@ -8,63 +11,70 @@ import time
 import numpy as np
 import pytest
 
+from edgeserve.config import EngineConfig
 from edgeserve.engine.async_engine import AsyncEngine
-from edgeserve.errors import PromptTooLongError
 from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.engine.output import RequestOutput
+from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+TINY_BYTES_PER_TOKEN = 512  # 2 x 2 layers x 2 KV heads x 16 dims x 4 bytes
+
+Arrivals = dict[int, list[tuple[str, list[int], SamplingParams]]]
 
 
-def make_engine(loaded_model, **kw) -> LLMEngine:
-    kw.setdefault("kv_memory", "64MiB")
-    return LLMEngine(loaded_model, backend="numpy", **kw)
+def make_engine(model, **kw) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(backend="numpy", **{"kv_memory": "64MiB", **kw}))
 
 
-def run_all(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]) -> dict[str, list[int]]:
-    """Step the engine to the end; arrivals[k] are requests added before step k."""
-    tokens: dict[str, list[int]] = {}
-    step = 0
-    while engine.has_unfinished() or any(k >= step for k in arrivals):
-        for rid, ids, params in arrivals.get(step, []):
+def run_all(engine: LLMEngine, arrivals: Arrivals) -> dict[str, list[int]]:
+    """Run to the end; arrivals[k] are requests added before step k."""
+    steps = 0
+
+    def arrive(_: list[RequestOutput] | None = None) -> None:
+        nonlocal steps
+        for rid, ids, params in arrivals.get(steps, []):
             engine.add_request(ids, params, rid)
-            tokens[rid] = []
-        for out in engine.step():
-            tokens[out.request_id] += out.token_ids
-        step += 1
-    return tokens
+        steps += 1
+
+    arrive()
+    results = engine.run_to_completion(arrive)
+    assert steps > max(arrivals), "the engine ran dry before every request arrived"
+    return {rid: c.token_ids for rid, c in results.items()}
 
 
 def assert_no_leaks(engine: LLMEngine) -> None:
-    bm = engine.block_manager
-    assert bm.num_used == 0
-    assert bm.num_free == bm.num_blocks  # every block free or cached, none held
-    assert all(r == 0 for r in bm.ref_count)
+    usage = engine.block_manager.usage()
+    assert usage.used == 0
+    assert usage.free + usage.cached == usage.total  # every block free or cached, none held
+    assert engine.request_ids() == []
 
 
-@pytest.fixture(scope="module")
-def prompts(loaded_model):
-    rng = np.random.default_rng(1)
-    tok = loaded_model.tokenizer
+def text_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
+    """n prompts of 5 to 90 tokens cut from one text."""
     text = "The history of the printing press begins in the fifteenth century, when movable type changed Europe."
-    base = tok.encode(text)
-    return [(base * 8)[: int(n)] for n in rng.integers(5, 90, size=17)]
+    base = tokenizer.encode(text)
+    return [(base * 8)[: int(k)] for k in np.random.default_rng(seed).integers(5, 90, size=n)]
 
 
 @pytest.fixture(scope="module")
-def engine(loaded_model):
+def prompts(tiny_model):
+    return text_prompts(tiny_model.tokenizer, 17, seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
     """One engine shared by the tests that need no special pool; each test leaves it empty."""
-    return make_engine(loaded_model)
+    return make_engine(tiny_model)
 
 
-@pytest.fixture(scope="module")
-def alone(engine, prompts):
-    return {i: run_all(engine, {0: [("a", p, GREEDY)]})["a"] for i, p in enumerate(prompts[:3])}
-
-
-def test_batch_invariance(loaded_model, prompts, alone):
-    engine = make_engine(loaded_model, max_num_batched_tokens=128)  # small budget: chunked prefills
-    arrivals: dict[int, list] = {}
+def check_batch_invariance(model, prompts: list[list[int]]) -> None:
+    """Each request's tokens are the same alone and among others arriving over the first steps."""
+    alone_engine = make_engine(model)
+    alone = {i: run_all(alone_engine, {0: [("a", p, GREEDY)]})["a"] for i, p in enumerate(prompts[:3])}
+    engine = make_engine(model, max_num_batched_tokens=128)  # small budget: chunked prefills
+    arrivals: Arrivals = {}
     for i, p in enumerate(prompts):
         arrivals.setdefault(i % 6, []).append((f"r{i}", p, GREEDY))
     got = run_all(engine, arrivals)
@@ -74,8 +84,16 @@ def test_batch_invariance(loaded_model, prompts, alone):
     assert_no_leaks(engine)
 
 
+def test_batch_invariance(tiny_model, prompts):
+    check_batch_invariance(tiny_model, prompts)
+
+
+def test_batch_invariance_on_the_real_model(loaded_model):
+    check_batch_invariance(loaded_model, text_prompts(loaded_model.tokenizer, 17, seed=1))
+
+
 def test_prefix_cache_hit_skips_prefill(engine, prompts):
-    system = np.random.default_rng(5).integers(1000, 20000, size=80).tolist() + [17]  # unlike any other prompt
+    system = np.random.default_rng(5).integers(3, 99, size=80).tolist() + [17]  # unlike any other prompt
     start = engine.stats()
     first = run_all(engine, {0: [("first", system + [30], GREEDY)]})["first"]
     cold = engine.stats()
@@ -96,9 +114,9 @@ def test_prefix_cache_hit_skips_prefill(engine, prompts):
     assert_no_leaks(engine)
 
 
-def test_preemption_keeps_outputs(loaded_model, prompts):
+def test_preemption_keeps_outputs(tiny_model, prompts):
     # 12 blocks of 16 tokens: room for the longest request alone, far too little for all four at once
-    engine = make_engine(loaded_model, kv_memory=12 * 16 * 46080, enable_prefix_caching=False)
+    engine = make_engine(tiny_model, kv_memory=12 * 16 * TINY_BYTES_PER_TOKEN, enable_prefix_caching=False)
     assert engine.pool_size.num_blocks == 12
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     alone = {i: run_all(engine, {0: [(f"alone{i}", p, params)]})[f"alone{i}"] for i, p in enumerate(prompts[:4])}
@@ -113,47 +131,61 @@ def test_abort_frees_blocks(engine, prompts):
     engine.add_request(prompts[3], SamplingParams(max_tokens=50, temperature=0), "gone")
     engine.add_request(prompts[4], GREEDY, "stays")
     engine.step()
-    assert engine.block_manager.num_used > 0
+    assert engine.block_manager.usage().used > 0
     final = engine.abort("gone")
     assert final.finished and final.finish_reason == "abort"
-    finished = []
-    while engine.has_unfinished():
-        finished += [o.request_id for o in engine.step() if o.finished]
+    assert engine.abort("gone") is None  # no longer in flight
+    finished = [rid for rid, c in engine.run_to_completion().items() if c.finish_reason]
     assert finished == ["stays"]
     assert_no_leaks(engine)
 
 
-def test_prompt_too_big_for_pool_is_rejected(loaded_model, prompts):
-    engine = make_engine(loaded_model, kv_memory=4 * 16 * 46080)
+def test_duplicate_request_id_is_refused(engine, prompts):
+    engine.add_request(prompts[0], GREEDY, "twice")
+    with pytest.raises(EdgeserveError, match="duplicate request id"):
+        engine.add_request(prompts[1], GREEDY, "twice")
+    engine.run_to_completion()
+    assert_no_leaks(engine)
+
+
+def test_prompt_too_big_for_pool_is_rejected(tiny_model, prompts):
+    engine = make_engine(tiny_model, kv_memory=4 * 16 * TINY_BYTES_PER_TOKEN)
     with pytest.raises(PromptTooLongError, match="KV pool holds only 64 tokens"):
-        engine.add_request(list(range(100, 200)), GREEDY)
+        engine.add_request(list(range(3, 99)), GREEDY)
     got = run_all(engine, {0: [("ok", prompts[0][:10], GREEDY)]})
     assert len(got["ok"]) == GREEDY.max_tokens
-    with pytest.raises(PromptTooLongError, match="context is 8192 tokens"):
-        engine.add_request([200] * 9000, GREEDY)
+    with pytest.raises(PromptTooLongError, match="context is 1024 tokens"):
+        engine.add_request([5] * 2000, GREEDY)
 
 
-def test_static_batching_holds_finished(loaded_model, prompts):
-    engine = make_engine(loaded_model, static_batching=True, max_num_seqs=4)
+def test_max_tokens_is_capped_by_the_context(tiny_model):
+    engine = make_engine(tiny_model, max_model_len=40)
+    rid = engine.add_request([5] * 30, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    done = engine.run_to_completion()[rid]
+    assert len(done.token_ids) == 10 and done.finish_reason == "length"
+
+
+def test_static_batching_holds_finished(tiny_model, prompts):
+    engine = make_engine(tiny_model, static_batching=True, max_num_seqs=4)
     short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     long = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     requests = [("s0", prompts[0], short), ("l0", prompts[1], long), ("s1", prompts[2], short),
                 ("l1", prompts[3], long), ("late", prompts[4], short)]
-    order, batch_sizes, tokens = [], [], {rid: [] for rid, _, _ in requests}
+    order, batch_sizes = [], []
     for rid, ids, p in requests:
         engine.add_request(ids, p, rid)
-    while engine.has_unfinished():
-        outputs = engine.step()
+
+    def record(outputs: list[RequestOutput]) -> None:
         batch_sizes.append(engine.stats().last_batch_seqs)
-        order += [o.request_id for o in outputs if o.finished]
-        for o in outputs:
-            tokens[o.request_id] += o.token_ids
+        order.extend(o.request_id for o in outputs if o.finished)
+
+    tokens = engine.run_to_completion(record)
     assert order.index("late") > order.index("l0") and order.index("late") > order.index("l1")
     # the short ones finish after 2 tokens but stay in the batch as padding rows until the long ones end
     first_batch = batch_sizes[: batch_sizes.index(1)]
     assert len(first_batch) >= long.max_tokens and set(first_batch) == {4}
     # padding rows change nobody's output
-    assert tokens["l1"] == run_all(make_engine(loaded_model), {0: [("l1", prompts[3], long)]})["l1"]
+    assert tokens["l1"].token_ids == run_all(make_engine(tiny_model), {0: [("l1", prompts[3], long)]})["l1"]
     assert_no_leaks(engine)
 
 
@@ -163,28 +195,76 @@ def test_sampling_seed_and_stop(engine, prompts):
     b = run_all(engine, {0: [("b", prompts[5], SamplingParams(**{**p.__dict__}))]})["b"]
     assert a == b
     greedy_ids = run_all(engine, {0: [("g", prompts[6], GREEDY)]})["g"]
-    text = engine.tokenizer.decode(greedy_ids)
-    stop = text.split()[2]
-    rid = engine.add_request(prompts[6], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]))
+    text = engine.tokenizer.decode(greedy_ids, skip_special_tokens=True)
+    stop = text[5:8]  # spans three tokens of the character-level vocabulary
+    rid = engine.add_request(prompts[6], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                        stop=["never", stop]))
     pieces, reason = [], None
-    while engine.has_unfinished():
-        for out in engine.step():
+
+    def collect(outputs: list[RequestOutput]) -> None:
+        nonlocal reason
+        for out in outputs:
             pieces.append(out.text)
             reason = out.finish_reason or reason
+
+    engine.run_to_completion(collect)
     assert reason == "stop"
-    assert stop not in "".join(pieces)
-    assert text.startswith("".join(pieces))
+    assert "".join(pieces) == text[: text.index(stop)]
+    # until the end, the last 4 characters (they might start "never") are held back
+    for i in range(len(pieces) - 1):
+        so_far = engine.tokenizer.decode(greedy_ids[: i + 1], skip_special_tokens=True)
+        assert "".join(pieces[: i + 1]) == so_far[: max(0, len(so_far) - 4)]
+    assert rid not in engine.request_ids()
 
 
-def test_async_engine_outlives_a_caller_whose_event_loop_closed(loaded_model, prompts):
-    aengine = AsyncEngine(make_engine(loaded_model))
+def test_stop_token_and_logprobs(engine, prompts):
+    greedy_ids = run_all(engine, {0: [("g", prompts[7], GREEDY)]})["g"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[greedy_ids[4]],
+                            logprobs=2)
+    rid = engine.add_request(prompts[7], params)
+    done = engine.run_to_completion()[rid]
+    cut = greedy_ids.index(greedy_ids[4]) + 1
+    assert done.token_ids == greedy_ids[:cut] and done.finish_reason == "stop"
+    assert done.text == engine.tokenizer.decode(greedy_ids[: cut - 1], skip_special_tokens=True)  # stop token: no text
+    assert [e["token"] for e in done.logprobs] == done.token_ids
+    assert all(len(e["top"]) == 2 and e["top"][0][0] == e["token"] and e["logprob"] <= 0 for e in done.logprobs)
+
+
+def test_kv_map_and_stats_report_the_block_manager(engine, prompts):
+    engine.add_request(prompts[8], GREEDY, "holder")
+    engine.step()
+    kv = engine.kv_map()
+    held = [owners for _, owners in kv if owners]
+    assert held and all(owners == ["holder"] for owners in held)
+    assert {state for state, _ in kv} <= {"free", "cached", "used"}
+    st = engine.stats()
+    assert st.kv_blocks_used == len(held) and st.running == 1
+    assert st.kv_blocks_used + st.kv_blocks_cached + st.kv_blocks_free == st.kv_blocks_total
+    assert st.kv_tokens_stored == len(prompts[8])
+    engine.run_to_completion()
+    assert_no_leaks(engine)
+
+
+def test_engine_config(tiny_model):
+    assert EngineConfig(kv_memory="2MiB").kv_budget_bytes() == 2 * 2**20
+    assert EngineConfig(kv_memory=1000).kv_budget_bytes() == 1000
+    assert 0 < EngineConfig(kv_memory="25%").kv_budget_bytes() < EngineConfig(kv_memory="0.5").kv_budget_bytes()
+    with pytest.raises(EdgeserveError, match="invalid KV memory fraction"):
+        EngineConfig(kv_memory="150%").kv_budget_bytes()
+    engine = LLMEngine(tiny_model, EngineConfig(backend="numpy", kv_memory="1MiB"), block_size=8)
+    assert engine.config.block_size == engine.pool_size.block_size == 8
+    assert engine.config.kv_memory == "1MiB"
+
+
+def test_async_engine_outlives_a_caller_whose_event_loop_closed(tiny_model, prompts):
+    aengine = AsyncEngine(make_engine(tiny_model))
     try:
         started = threading.Event()
 
         def slow(engine: LLMEngine) -> int:
             started.set()
             time.sleep(0.5)
-            return engine.block_manager.num_blocks
+            return engine.pool_size.num_blocks
 
         async def impatient() -> None:
             with contextlib.suppress(asyncio.TimeoutError):

@@ -20,6 +20,7 @@ from textual.widgets import Input
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.chat_clients import EngineClient, RemoteClient
 from edgeserve.cli.options import build_engine
+from edgeserve.config import EngineConfig
 from edgeserve.cli.tui_app import EdgeserveApp, HelpScreen, SessionPane
 from edgeserve.cli.tui_panels import KVMap, StatusPanel
 from edgeserve.server.app import create_app
@@ -31,7 +32,7 @@ LONG_PROMPT = "Write a long story about a dragon."
 
 @pytest.fixture(scope="module")
 def aengine(model_path) -> Iterator[AsyncEngine]:
-    engine = build_engine(str(model_path), "numpy", "32MiB", quiet=True)
+    engine = build_engine(str(model_path), EngineConfig(backend="numpy", kv_memory="32MiB"), quiet=True)
     aengine = AsyncEngine(engine)
     yield aengine
     aengine.shutdown()
@@ -58,7 +59,7 @@ async def send(pilot, pane: SessionPane, text: str) -> None:
 
 async def engine_state(aengine: AsyncEngine) -> tuple[list[str], list[tuple[str, list[str]]]]:
     """The live request ids and the KV map, read on the engine thread after what was queued before."""
-    return await aengine.call(lambda engine: (list(engine.seqs), engine.kv_map()))
+    return await aengine.call(lambda engine: (engine.request_ids(), engine.kv_map()))
 
 
 async def test_three_sessions_stream_at_once_and_hold_blocks_in_the_kv_map(aengine):

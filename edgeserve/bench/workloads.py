@@ -12,6 +12,7 @@ import numpy as np
 from tqdm import tqdm
 
 from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.engine.output import RequestOutput
 from edgeserve.sampling_params import SamplingParams
 from edgeserve.text.tokenizer import Tokenizer
 
@@ -118,25 +119,27 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, progr
     decode_time, decode_tokens = 0.0, 0
     bs = engine.pool_size.block_size
     with tqdm(total=len(ids), desc=name, unit="req", disable=not progress, leave=False) as bar:
-        while engine.has_unfinished():
-            t0 = time.perf_counter()
-            outputs = engine.step()
+        step_start = time.perf_counter()
+
+        def measure(outputs: list[RequestOutput]) -> None:
+            nonlocal step_start, peak_slots, stored_at_peak, peak_running, decode_time, decode_tokens
             now = time.perf_counter()
-            running = engine.scheduler.running
             stats = engine.stats()
             if outputs and stats.last_batch_tokens == stats.last_batch_seqs:  # one new token each: pure decode
-                decode_time += now - t0
+                decode_time += now - step_start
                 decode_tokens += len(outputs)
-            slots = engine.block_manager.num_used * bs
+            slots = stats.kv_blocks_used * bs
             if slots > peak_slots:
-                peak_slots, peak_running = slots, len(running)
-                stored_at_peak = sum(s.num_computed_tokens for s in running)
+                peak_slots, peak_running, stored_at_peak = slots, stats.running, stats.kv_tokens_stored
             for out in outputs:
                 first.setdefault(out.request_id, now)
                 if out.finished:
                     done[out.request_id] = RequestTiming(out.num_prompt_tokens, out.num_output_tokens,
                                                          first[out.request_id] - start, now - start)
                     bar.update(1)
+            step_start = time.perf_counter()
+
+        engine.run_to_completion(measure)
     wall = time.perf_counter() - start
     stats = engine.stats()
     contiguous = peak_running * engine.max_model_len

@@ -12,8 +12,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from edgeserve.engine.llm_engine import EngineStats, LLMEngine
+from edgeserve.engine.output import RequestOutput
 from edgeserve.errors import EdgeserveError
-from edgeserve.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
 from edgeserve.sampling_params import SamplingParams
 
 
@@ -82,7 +83,7 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a broken step must not kill the server: fail the running requests
-                for rid in list(self.engine.seqs):
+                for rid in self.engine.request_ids():
                     self.engine.abort(rid)
                     self._deliver(EdgeserveError(f"engine step failed: {exc}"), rid)
                 outputs = []

@@ -7,12 +7,23 @@ Blocks nobody references stay in the cache (and in the free list, oldest first) 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from edgeserve.engine.sequence import Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class BlockUsage:
+    total: int
+    used: int  # referenced by at least one sequence
+    cached: int  # unreferenced but holding a prefix (evicted when needed)
+    free: int  # holding nothing
+    prefix_hit_tokens: int  # prompt tokens found in the prefix cache
+    prefix_query_tokens: int  # prompt tokens looked up
 
 
 class BlockManager:
@@ -24,7 +35,7 @@ class BlockManager:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
-        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next step
+        self._pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next step
         self.hit_tokens = 0
         self.query_tokens = 0
 
@@ -34,12 +45,23 @@ class BlockManager:
         return len(self.free)
 
     @property
-    def num_cached(self) -> int:
-        return sum(1 for b in self.free if self.block_hash[b] is not None)
-
-    @property
     def num_used(self) -> int:
         return self.num_blocks - len(self.free)
+
+    def usage(self) -> BlockUsage:
+        cached = sum(1 for b in self.free if self.block_hash[b] is not None)
+        return BlockUsage(self.num_blocks, self.num_used, cached, self.num_free - cached, self.hit_tokens,
+                          self.query_tokens)
+
+    def block_states(self) -> list[str]:
+        """Each block's state: 'free', 'cached' (unreferenced, holding a prefix), 'used' or 'shared'."""
+        return [("cached" if h is not None else "free") if r == 0 else ("shared" if r > 1 else "used")
+                for r, h in zip(self.ref_count, self.block_hash)]
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write block copies (src, dst) to make before the next step writes the pool."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
 
     def _take(self) -> int:
         block, _ = self.free.popitem(last=False)
@@ -101,7 +123,7 @@ class BlockManager:
             src = table[-1]
             table[-1] = self._take()
             self.ref_count[src] -= 1
-            self.pending_copies.append((src, table[-1]))
+            self._pending_copies.append((src, table[-1]))
         for _ in range(need):
             table.append(self._take())
         return True

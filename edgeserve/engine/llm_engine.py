@@ -2,48 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from edgeserve.backends import get_backend
-from edgeserve.backends.numpy_backend import choose_weights_mode
+from edgeserve.config import EngineConfig
 from edgeserve.engine.block_manager import BlockManager, blocks_for
-from edgeserve.text.chat_template import ChatTemplate
-from edgeserve.text.detokenizer import IncrementalDetokenizer
-from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.engine.kv_pool import size_pool
 from edgeserve.engine.model_runner import ModelRunner
-from edgeserve.models.loader import LoadedModel, load_model
-from edgeserve.engine.sampler import sample, token_logprobs
-from edgeserve.sampling_params import SamplingParams
+from edgeserve.engine.output import Completion, OutputProcessor, RequestOutput
+from edgeserve.engine.sampler import sample
 from edgeserve.engine.scheduler import ScheduledSeq, Scheduler
-from edgeserve.engine.sequence import Sequence, SequenceStatus
-from edgeserve.system import available_memory_bytes
-from edgeserve.units import parse_size
-
-DEFAULT_KV_MEMORY = "1GiB"
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request: the new text and tokens, and whether it ended."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    logprobs: list[dict] = field(default_factory=list)
-    ttft: float | None = None  # seconds from arrival to first token
-    elapsed: float = 0.0  # seconds from arrival to this output
-    error: str | None = None
+from edgeserve.engine.sequence import Sequence
+from edgeserve.errors import EdgeserveError, PromptTooLongError
+from edgeserve.models.loader import LoadedModel, load_model
+from edgeserve.sampling_params import SamplingParams
+from edgeserve.text.chat_template import ChatTemplate
 
 
 @dataclass
@@ -59,6 +39,7 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_cached: int = 0
     kv_blocks_free: int = 0
+    kv_tokens_stored: int = 0  # tokens whose K/V the running sequences hold
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
     preemptions: int = 0
@@ -69,56 +50,28 @@ class EngineStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
-def kv_budget_bytes(spec: str | int | None) -> int:
-    """'2GiB', '512MB', a byte count, or a fraction of available memory such as '0.25' or '25%'."""
-    spec = DEFAULT_KV_MEMORY if spec is None else spec
-    if isinstance(spec, int):
-        return spec
-    text = str(spec).strip()
-    fraction = None
-    if text.endswith("%"):
-        fraction = float(text[:-1]) / 100
-    elif text.replace(".", "", 1).isdigit() and float(text) < 1:
-        fraction = float(text)
-    if fraction is not None:
-        if not 0 < fraction < 1:
-            raise EdgeserveError(f"invalid KV memory fraction {spec!r}")
-        return int(fraction * available_memory_bytes())
-    return parse_size(text)
-
-
 class LLMEngine:
-    def __init__(
-        self,
-        model: LoadedModel,
-        backend: str = "auto",
-        weights: str = "auto",
-        kv_memory: str | int | None = None,
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        enable_prefix_caching: bool = True,
-        static_batching: bool = False,
-        max_model_len: int | None = None,
-    ):
+    """`LLMEngine(model, EngineConfig(...))`; keyword arguments override single config fields."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, **overrides: Any):
+        config = dataclasses.replace(config or EngineConfig(), **overrides)
+        self.config = config
         self.model = model
         self.tokenizer = model.tokenizer
-        if weights == "auto":
-            weights = choose_weights_mode(model, available_memory_bytes())
-        self.backend = get_backend(backend, weights=weights)
-        self.pool_size = size_pool(model.args, kv_budget_bytes(kv_memory), block_size, self.backend.kv_dtype_bytes)
+        self.backend = get_backend(config.backend, weights=config.weights, model=model)
+        self.pool_size = size_pool(model.args, config.kv_budget_bytes(), config.block_size,
+                                   self.backend.kv_dtype_bytes)
         self.runner = ModelRunner(model, self.backend, self.pool_size)
-        self.block_manager = BlockManager(self.pool_size.num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, static_batching)
-        self.max_model_len = min(max_model_len or model.args.max_position_embeddings,
-                                 model.args.max_position_embeddings)
-        self.seqs: dict[str, Sequence] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._emitted: dict[str, int] = {}
+        self.block_manager = BlockManager(self.pool_size.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.static_batching)
+        context = model.args.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or context, context)
+        self.output = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.chat_template = ChatTemplate.for_tokenizer(self.tokenizer)
         self._ids = itertools.count()
         self._stats = EngineStats()
         self._recent: list[tuple[float, int]] = []  # (time, output tokens) per step
-        self.chat_template = ChatTemplate.for_tokenizer(self.tokenizer)
 
     @property
     def vocab_size(self) -> int:
@@ -126,8 +79,8 @@ class LLMEngine:
         return self.model.args.vocab_size
 
     @classmethod
-    def from_name(cls, name: str, **kwargs: Any) -> "LLMEngine":
-        return cls(load_model(name), **kwargs)
+    def from_name(cls, name: str, config: EngineConfig | None = None, **overrides: Any) -> LLMEngine:
+        return cls(load_model(name), config, **overrides)
 
     # requests -----------------------------------------------------------------
 
@@ -160,25 +113,27 @@ class LLMEngine:
         ids = self.tokenize_prompt(prompt)
         self.check_prompt(ids)
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.seqs:
+        if self.output.get(request_id) is not None:
             raise EdgeserveError(f"duplicate request id {request_id!r}")
         room = self.max_model_len - len(ids)
         if params.max_tokens > room:
             params = SamplingParams(**{**params.__dict__, "max_tokens": room})
         seq = Sequence(request_id, ids, params)
-        self.seqs[request_id] = seq
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
-        self._emitted[request_id] = 0
+        self.output.add(seq)
         self.scheduler.add(seq)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output, if it was live."""
-        seq = self.seqs.get(request_id)
-        if seq is None or seq.is_finished:
+        state = self.output.get(request_id)
+        if state is None:
             return None
-        self._finish(seq, "abort")
-        return self._output(seq, [], [])
+        self.scheduler.finish(state.seq)
+        return self.output.abort(state)
+
+    def request_ids(self) -> list[str]:
+        """The requests in flight (waiting or running)."""
+        return list(self.output.requests)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -186,15 +141,39 @@ class LLMEngine:
     # one step -----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, update the sequences, and return each sampled request's output."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        if self.block_manager.pending_copies:
-            self.runner.copy_blocks(self.block_manager.pending_copies)
-            self.block_manager.pending_copies = []
-        logits = self.runner.run(scheduled)
+        logits = self._run(scheduled)
         sampling = [item.seq for item in scheduled if item.samples]
         tokens = sample(logits, sampling)
+        self._update(scheduled)
+        return self._outputs(sampling, tokens, logits)
+
+    def run_to_completion(self, on_step: Callable[[list[RequestOutput]], None] | None = None
+                          ) -> dict[str, Completion]:
+        """Step until every request has finished; each request's outputs merged, by request id.
+
+        on_step(outputs) runs after each step (it may add requests, which then run too).
+        """
+        results: dict[str, Completion] = {}
+        while self.has_unfinished():
+            outputs = self.step()
+            for out in outputs:
+                results.setdefault(out.request_id, Completion(out.request_id)).add(out)
+            if on_step is not None:
+                on_step(outputs)
+        return results
+
+    def _run(self, scheduled: list[ScheduledSeq]) -> np.ndarray:
+        copies = self.block_manager.take_pending_copies()
+        if copies:
+            self.runner.copy_blocks(copies)
+        return self.runner.run(scheduled)
+
+    def _update(self, scheduled: list[ScheduledSeq]) -> None:
+        """Count the step's tokens as computed and put newly full blocks into the prefix cache."""
         st = self._stats
         st.steps += 1
         st.last_batch_seqs = len(scheduled)
@@ -207,77 +186,21 @@ class LLMEngine:
                 st.prompt_tokens_computed += min(item.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_full_blocks(seq)
-        now = time.perf_counter()
+
+    def _outputs(self, seqs: list[Sequence], tokens: list[int], logits: np.ndarray) -> list[RequestOutput]:
+        """Append each sampled token; finished requests leave the scheduler."""
         outputs = []
-        for row, (seq, token) in enumerate(zip(sampling, tokens)):
-            logprobs = []
-            if seq.params.logprobs is not None:
-                logprobs = [token_logprobs(logits[row], token, seq.params.logprobs)]
-                seq.logprobs.extend(logprobs)
+        for row, (seq, token) in enumerate(zip(seqs, tokens)):
             seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            st.output_tokens += 1
-            outputs.append(self._after_token(seq, token, logprobs))
-        self._recent.append((now, len(sampling)))
+            out = self.output.process(seq, token, logits[row])
+            if out.finished:
+                self.scheduler.finish(seq)
+            outputs.append(out)
+        self._stats.output_tokens += len(seqs)
+        now = time.perf_counter()
+        self._recent.append((now, len(seqs)))
         self._recent = [(t, n) for t, n in self._recent if now - t < 5.0]
         return outputs
-
-    def _after_token(self, seq: Sequence, token: int, logprobs: list[dict]) -> RequestOutput:
-        p = seq.params
-        rid = seq.request_id
-        stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.eos_token_ids)
-        if not stop_token:
-            seq.output_text += self._detok[rid].add(token)
-        reason = "stop" if stop_token else None
-        if reason is None and p.stop:
-            start = max(0, self._emitted[rid] - max(len(s) for s in p.stop))
-            hits = [i for i in (seq.output_text.find(s, start) for s in p.stop) if i >= 0]
-            if hits:
-                seq.output_text = seq.output_text[: min(hits)]
-                reason = "stop"
-        if reason is None and seq.num_output_tokens >= p.max_tokens:
-            reason = "length"
-        if reason is None and seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason:
-            if reason == "length":
-                seq.output_text += self._detok[rid].flush()
-            self._finish(seq, reason)
-        return self._output(seq, [token], logprobs)
-
-    def _output(self, seq: Sequence, new_tokens: list[int], logprobs: list[dict]) -> RequestOutput:
-        rid = seq.request_id
-        end = len(seq.output_text)
-        if not seq.is_finished and seq.params.stop:
-            end -= max(len(s) for s in seq.params.stop) - 1  # hold back what may start a stop string
-        start = self._emitted[rid]
-        end = max(end, start)
-        self._emitted[rid] = end
-        now = time.perf_counter()
-        out = RequestOutput(
-            request_id=rid,
-            text=seq.output_text[start:end],
-            token_ids=new_tokens,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=logprobs,
-            ttft=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
-            elapsed=now - seq.arrival_time,
-            error=seq.error,
-        )
-        if seq.is_finished:
-            del self.seqs[rid], self._detok[rid], self._emitted[rid]
-        return out
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.finish_time = time.perf_counter()
-        self.scheduler.finish(seq)
 
     def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
         """Logits at every position of token_ids [T, vocab], for scoring (perplexity, parity checks).
@@ -295,32 +218,27 @@ class LLMEngine:
 
     def kv_map(self) -> list[tuple[str, list[str]]]:
         """Each pool block's state ('free', 'cached', 'used' or 'shared') and the requests holding it."""
-        bm = self.block_manager
-        owners: list[list[str]] = [[] for _ in range(bm.num_blocks)]
+        states = self.block_manager.block_states()
+        owners: list[list[str]] = [[] for _ in states]
         for seq in self.scheduler.running:
             for b in seq.block_table:
                 owners[b].append(seq.request_id)
-        states = []
-        for b, holders in enumerate(owners):
-            if bm.ref_count[b] == 0:
-                states.append(("cached" if bm.block_hash[b] is not None else "free", holders))
-            else:
-                states.append(("shared" if bm.ref_count[b] > 1 else "used", holders))
-        return states
+        return list(zip(states, owners))
 
     # stats --------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
         st = self._stats
-        bm = self.block_manager
+        usage = self.block_manager.usage()
         st.running = len(self.scheduler.running)
         st.waiting = len(self.scheduler.waiting)
-        st.kv_blocks_total = bm.num_blocks
-        st.kv_blocks_used = bm.num_used
-        st.kv_blocks_cached = bm.num_cached
-        st.kv_blocks_free = bm.num_free - st.kv_blocks_cached
-        st.prefix_hit_tokens = bm.hit_tokens
-        st.prefix_query_tokens = bm.query_tokens
+        st.kv_blocks_total = usage.total
+        st.kv_blocks_used = usage.used
+        st.kv_blocks_cached = usage.cached
+        st.kv_blocks_free = usage.free
+        st.kv_tokens_stored = sum(seq.num_computed_tokens for seq in self.scheduler.running)
+        st.prefix_hit_tokens = usage.prefix_hit_tokens
+        st.prefix_query_tokens = usage.prefix_query_tokens
         st.preemptions = self.scheduler.num_preemptions
         if len(self._recent) > 1:
             span = self._recent[-1][0] - self._recent[0][0]

@@ -101,7 +101,8 @@ class Scheduler:
         return out
 
     def finish(self, seq: Sequence) -> None:
-        """Release a finished or aborted sequence's blocks at once (static batches: at batch end)."""
+        """Mark seq finished (or aborted) and release its blocks at once (static batches: at batch end)."""
+        seq.status = SequenceStatus.FINISHED
         if seq in self.waiting:
             self.waiting.remove(seq)
         if self.static_batching and seq in self.running:

@@ -1,4 +1,7 @@
-"""One request's tokens, its place in the KV pool and its progress through the engine."""
+"""One request's tokens, its place in the KV pool and its progress through the scheduler.
+
+Its text, stop checks and timings are the output side's (engine/output.py).
+"""
 
 from __future__ import annotations
 
@@ -29,12 +32,6 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the pool
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full, computed blocks
-    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
-    error: str | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    logprobs: list[dict] = field(default_factory=list)
-    output_text: str = ""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from edgeserve.engine.async_engine import AsyncEngine
+from edgeserve.engine.output import RequestOutput
 from edgeserve.errors import EdgeserveError
-from edgeserve.engine.llm_engine import RequestOutput
 from edgeserve.sampling_params import SamplingParams
 from edgeserve.server.protocol import APIError, usage
 

@@ -1,0 +1,40 @@
+"""How an engine is set up: backend, KV pool, batching limits. The per-request knobs are SamplingParams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edgeserve.errors import EdgeserveError
+from edgeserve.system import available_memory_bytes
+from edgeserve.units import parse_size
+
+DEFAULT_KV_MEMORY = "1GiB"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    backend: str = "auto"  # array backend: "auto", "numpy" or "mlx"
+    weights: str = "auto"  # NumPy backend's weights mode: "auto", "float32" or "quantized"
+    kv_memory: str | int = DEFAULT_KV_MEMORY  # KV pool budget, see kv_budget_bytes()
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 64  # sequences in one batch
+    max_num_batched_tokens: int = 512  # tokens in one step (decodes plus prefill chunks)
+    enable_prefix_caching: bool = True
+    static_batching: bool = False  # fixed padded batches, only to measure continuous batching against
+    max_model_len: int | None = None  # context limit; None: the model's own
+
+    def kv_budget_bytes(self) -> int:
+        """kv_memory in bytes: '2GiB', '512MB', a byte count, or a fraction of available memory ('0.25', '25%')."""
+        if isinstance(self.kv_memory, int):
+            return self.kv_memory
+        text = self.kv_memory.strip()
+        fraction = None
+        if text.endswith("%"):
+            fraction = float(text[:-1]) / 100
+        elif text.replace(".", "", 1).isdigit() and float(text) < 1:
+            fraction = float(text)
+        if fraction is not None:
+            if not 0 < fraction < 1:
+                raise EdgeserveError(f"invalid KV memory fraction {self.kv_memory!r}")
+            return int(fraction * available_memory_bytes())
+        return parse_size(text)
