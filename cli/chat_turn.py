@@ -29,7 +29,7 @@ class Turn:
     def begin(cls, client: ChatClient, conversation: Conversation, text: str) -> Turn:
         """Add the user's message and fit the conversation into the client's context.
 
-        An EdgeserveError (bad settings, or a message too long even on its own) takes the message back.
+        An EdgeserveError (the message does not fit even on its own) takes the message back.
         """
         conversation.add("user", text)
         try:
