@@ -228,73 +228,52 @@ def _rows(s: _Segment, rows: np.ndarray) -> np.ndarray:
 
 
 def _numba_gemm(x: np.ndarray, s: _Segment, out: np.ndarray) -> None:
-    group_sums = x.reshape(x.shape[0], -1, s.group).sum(axis=2, dtype=np.float32)
-    # numba has no float16: such scales travel as their bit patterns, the float32 pair stays empty
+    # numba has no float16: such scales travel as their bit patterns, decoded through a table
     half = s.scales.dtype == np.float16
     h_s, h_b = (s.scales.view(np.uint16), s.biases.view(np.uint16)) if half else (_NO_HALF, _NO_HALF)
     f_s, f_b = (_NO_FLOAT, _NO_FLOAT) if half else (s.scales, s.biases)
-    _gemm(x, s.packed, h_s, h_b, f_s, f_b, half, group_sums, out, s.stop - s.start, s.group, s.bits, _SHIFTS[s.bits])
+    _gemm(x, s.packed, h_s, h_b, f_s, f_b, half, _HALF_TABLE, out, s.stop - s.start, s.group, s.bits, _SHIFTS[s.bits])
 
 
 _NO_HALF = np.zeros((0, 0, PANEL), np.uint16)
 _NO_FLOAT = np.zeros((0, 0, PANEL), np.float32)
-
-
-@njit(cache=True, nogil=True, fastmath=True, inline="always")
-def _half(h):
-    """float16 bits -> float32 value."""
-    exp = (h >> 10) & 0x1F
-    man = np.float32(h & 0x3FF)
-    if exp == 0:
-        v = man * np.float32(2.0**-24)
-    elif exp == 31:
-        v = np.float32(np.inf) if man == 0 else np.float32(np.nan)
-    else:
-        v = (np.float32(1024) + man) * np.float32(2.0 ** (exp - 25))
-    return -v if h & 0x8000 else v
+_HALF_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 
 @njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _gemm(x, packed, h_scales, h_biases, f_scales, f_biases, half, group_sums, out, n, group, bits, shifts):
+def _gemm(x, packed, h_scales, h_biases, f_scales, f_biases, half, half_table, out, n, group, bits, shifts):
     rows, k = x.shape
-    groups = k // group
     epw = 32 // bits
-    mask = np.uint32((1 << bits) - 1)
+    mask = (1 << bits) - 1
     words_per_group = group // epw
+    # a run-time trip count: with the constant 16 LLVM unrolls these loops into scalar code
+    lanes = packed.shape[2]
     for p in prange(packed.shape[0]):
-        acc = np.zeros((rows, PANEL), dtype=np.float32)
-        dot = np.zeros((rows, PANEL), dtype=np.float32)
-        wq = np.empty((epw, PANEL), dtype=np.float32)
-        scale = np.empty(PANEL, dtype=np.float32)
-        bias = np.empty(PANEL, dtype=np.float32)
-        for g in range(groups):
-            dot[:] = 0
-            for j in range(words_per_group):
-                word = packed[p, g * words_per_group + j]
-                for e in range(epw):
-                    for c in range(PANEL):
-                        wq[e, c] = np.float32((word[c] >> shifts[e]) & mask)
-                k0 = g * group + j * epw
-                for r in range(rows):
-                    for e in range(epw):
-                        xv = x[r, k0 + e]
-                        for c in range(PANEL):
-                            dot[r, c] += wq[e, c] * xv
-            for c in range(PANEL):
+        # The panel's weights as float32 [16, K]: each output is then a contiguous dot product,
+        # a reduction LLVM vectorizes with the sum kept in registers (a [K, 16] layout would
+        # update a 16-float array in memory at every k, since numba cannot rule out aliasing).
+        wt = np.empty((lanes, k), dtype=np.float32)
+        for g in range(k // group):
+            for c in range(lanes):
                 if half:
-                    scale[c] = _half(h_scales[p, g, c])
-                    bias[c] = _half(h_biases[p, g, c])
+                    sc = half_table[h_scales[p, g, c]]
+                    bi = half_table[h_biases[p, g, c]]
                 else:
-                    scale[c] = f_scales[p, g, c]
-                    bias[c] = f_biases[p, g, c]
-            for r in range(rows):
-                gs = group_sums[r, g]
-                for c in range(PANEL):
-                    acc[r, c] += dot[r, c] * scale[c] + bias[c] * gs
-        c_stop = min(PANEL, n - p * PANEL)
+                    sc = f_scales[p, g, c]
+                    bi = f_biases[p, g, c]
+                dst = wt[c]
+                for j in range(g * words_per_group, (g + 1) * words_per_group):
+                    word = packed[p, j, c]
+                    for e in range(epw):
+                        dst[j * epw + e] = np.float32((word >> shifts[e]) & mask) * sc + bi
         for r in range(rows):
-            for c in range(c_stop):
-                out[r, p * PANEL + c] = acc[r, c]
+            xr = x[r]
+            for c in range(min(lanes, n - p * lanes)):
+                src = wt[c]
+                total = np.float32(0)
+                for kk in range(k):
+                    total += src[kk] * xr[kk]
+                out[r, p * lanes + c] = total
 
 
 _IMPL = "c" if _ext is not None and os.environ.get("EDGESERVE_QMATMUL", "").lower() != "numba" else "numba"
