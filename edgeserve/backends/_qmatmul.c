@@ -128,9 +128,10 @@ avx512_rows(const Task *t, int p, int r0, const int RB) {
     __m512 facc[8];
     for (int r = 0; r < RB; r++) facc[r] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi32(0x000f000f), m8 = _mm512_set1_epi32(0x00ff00ff);
-    /* Several accumulators per row so that consecutive vpdpwssd do not wait on each other's
-       latency: 4 for few rows (a GEMV would otherwise run one dependency chain), 2 for more. */
-    const int NA = RB <= 4 ? 4 : 2;
+    /* Independent accumulators per row so that consecutive vpdpwssd do not wait on each other's
+       latency: 4 for a GEMV (else one dependency chain), fewer as rows add chains, 1 from 5 rows
+       on (8 rows x 2 spilled registers and ran ~1.5x slower). */
+    const int NA = RB <= 2 ? 4 : RB <= 4 ? 2 : 1;
     for (int g = 0; g < ng; g++) {
         __m512i acc[8][4];
         for (int r = 0; r < RB; r++)
@@ -158,11 +159,11 @@ avx512_rows(const Task *t, int p, int r0, const int RB) {
                 __m512i v = _mm512_loadu_si512(wg + j * PANEL);
                 __m512i w0 = _mm512_and_si512(v, m8);
                 __m512i w1 = _mm512_and_si512(_mm512_srli_epi32(v, 8), m8);
-                const int a = 2 * (j & 1) % NA;
+                const int a = 2 * (j & 1) % NA, b = (2 * (j & 1) + 1) % NA;
                 for (int r = 0; r < RB; r++) {
                     const int32_t *x = xg + r * xstride + 2 * j;
                     acc[r][a] = _mm512_dpwssd_epi32(acc[r][a], w0, _mm512_set1_epi32(x[0]));
-                    acc[r][a + 1] = _mm512_dpwssd_epi32(acc[r][a + 1], w1, _mm512_set1_epi32(x[1]));
+                    acc[r][b] = _mm512_dpwssd_epi32(acc[r][b], w1, _mm512_set1_epi32(x[1]));
                 }
             }
         }
