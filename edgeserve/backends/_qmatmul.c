@@ -149,7 +149,7 @@ avx512_rows(const Task *t, int p, int r0, const int RB) {
                 for (int r = 0; r < RB; r++) {
                     const int32_t *x = xg + r * xstride + 4 * j;
                     acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], w0, _mm512_set1_epi32(x[0]));
-                    acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], w1, _mm512_set1_epi32(x[1]));
+                    acc[r][1 % NA] = _mm512_dpwssd_epi32(acc[r][1 % NA], w1, _mm512_set1_epi32(x[1]));
                     acc[r][2 % NA] = _mm512_dpwssd_epi32(acc[r][2 % NA], w2, _mm512_set1_epi32(x[2]));
                     acc[r][3 % NA] = _mm512_dpwssd_epi32(acc[r][3 % NA], w3, _mm512_set1_epi32(x[3]));
                 }
