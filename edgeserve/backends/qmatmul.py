@@ -14,8 +14,10 @@ sum kept, so that a group contributes s * d_x * sum(q * x_q) + b * sum(x). The C
 `_qmatmul` runs the integer dot products as AVX-512 VNNI `vpdpwssd` or AVX2 `vpmaddwd` (chosen
 at run time by CPU features; plain C elsewhere, e.g. NEON through auto-vectorization), each
 unpacked weight vector serving up to 8 rows from registers, on its own pthread pool over
-(row tile, column panel) items. Without the extension, or with EDGESERVE_QMATMUL=numba, numba
-kernels run on the same layout with float32 activations.
+(row tile, column panel) items. Without the extension, or with EDGESERVE_QMATMUL=numba, a numba
+kernel runs on the same layout with float32 activations (a panel dequantized to float32, then
+vectorized dot products): exact to float32 rounding, but several times slower than the C
+kernels, a fallback for correctness rather than speed.
 
 Widths other than 4 and 8 bits are repacked to 8 bits at load time (exact, but 8/bits times
 the bytes); float parts are kept as float32 [K, n] and multiplied by BLAS.
@@ -26,9 +28,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 from numba import njit, prange
-import numba
 
 from edgeserve.quant.affine import QuantizedTensor, unpack
 
@@ -54,7 +56,7 @@ class _Segment:
     stop: int
     bits: int = 0  # 0: float32 weights in `wt`
     group: int = 0
-    packed: np.ndarray | None = None  # uint32 [panels, K * bits / 32 / 16 ... ] see module docstring
+    packed: np.ndarray | None = None  # uint32 [panels, K * bits / 32, 16]
     scales: np.ndarray | None = None  # float16 or float32 [panels, K / group, 16]
     biases: np.ndarray | None = None
     wt: np.ndarray | None = None  # float32 [K, stop - start]
@@ -142,9 +144,10 @@ def set_num_threads(n: int | None = None) -> int:
     """Threads the kernels use per call (default: every core this process may run on); returns it."""
     if n is None:
         n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    if _ext is not None:
+    if _ext is not None and _IMPL == "c":
         return _ext.set_num_threads(n)
+    # numba starts its own pool here, so only when its kernels are the ones in use
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     return numba.get_num_threads()
 
 
