@@ -42,15 +42,16 @@ def tiny_model_from(folder: Path, seed: int = 0) -> LoadedModel:
     """Two layers, 64 wide, random weights from a seeded generator, over the tiny tokenizer."""
     tokenizer = tiny_tokenizer(folder)
     args = ModelArgs(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=tokenizer.vocab_size, max_position_embeddings=1024,
-                     tie_word_embeddings=True)
+                     num_key_value_heads=2, vocab_size=tokenizer.vocab_size, max_position_embeddings=4096)
     rng = np.random.default_rng(seed)
 
     def w(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
 
     h, kv, f = args.hidden_size, args.num_key_value_heads * args.head_dim, args.intermediate_size
-    weights = {"model.embed_tokens.weight": w(args.vocab_size, h), "model.norm.weight": np.ones(h, np.float32)}
+    # an untied head: with tied embeddings a random model tends to repeat its last token forever
+    weights = {"model.embed_tokens.weight": w(args.vocab_size, h), "lm_head.weight": w(args.vocab_size, h),
+               "model.norm.weight": np.ones(h, np.float32)}
     for i in range(args.num_hidden_layers):
         p = f"model.layers.{i}."
         weights.update({

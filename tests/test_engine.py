@@ -154,8 +154,8 @@ def test_prompt_too_big_for_pool_is_rejected(tiny_model, prompts):
         engine.add_request(list(range(3, 99)), GREEDY)
     got = run_all(engine, {0: [("ok", prompts[0][:10], GREEDY)]})
     assert len(got["ok"]) == GREEDY.max_tokens
-    with pytest.raises(PromptTooLongError, match="context is 1024 tokens"):
-        engine.add_request([5] * 2000, GREEDY)
+    with pytest.raises(PromptTooLongError, match="context is 4096 tokens"):
+        engine.add_request([5] * 5000, GREEDY)
 
 
 def test_max_tokens_is_capped_by_the_context(tiny_model):
