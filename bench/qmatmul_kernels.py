@@ -6,11 +6,14 @@ head, so nothing stays in cache) with its achieved read bandwidth against a plai
 read measured in the same run, and the Python-side overhead of one call.
 
     python bench/qmatmul_kernels.py [--threads N] [--impl c|numba] [--rows 1,4,16,64,512]
+
+On a busy machine compare one thread with one thread: OPENBLAS_NUM_THREADS=1 ... --threads 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 import time
 
@@ -75,7 +78,8 @@ def main() -> None:
     threads = qm.set_num_threads(args.threads)
     impl = args.impl or ("c" if qm.kernel_name().startswith("c/") else "numba")
     name = qm.kernel_name() if impl == "c" else "numba"
-    print(f"kernel {name}, {threads} threads; float32 BLAS at numpy's default threads")
+    blas = os.environ.get("OPENBLAS_NUM_THREADS", "numpy's default")
+    print(f"kernel {name}, {threads} threads; float32 BLAS threads: {blas} (set OPENBLAS_NUM_THREADS to change)")
     rng = np.random.default_rng(0)
     qm.compile_now()
 
@@ -108,7 +112,7 @@ def main() -> None:
     total = sum(m.nbytes for layer in layers for m in layer) + head.nbytes
     t_pass = timed(decode_pass, 2.0)
     probe1 = read_bandwidth(1)
-    probe = read_bandwidth(threads)
+    probe = read_bandwidth(threads) if threads > 1 else probe1
     calls = LAYERS * 4 + 1
     print(f"\ndecode weight pass (R=1, {calls} calls, {total / 1e6:.1f} MB): {t_pass / 1e3:.2f} ms "
           f"= {total / t_pass / 1e3:.1f} GB/s; plain read {probe1:.1f} GB/s on 1 thread, {probe:.1f} GB/s on "
