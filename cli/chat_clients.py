@@ -10,7 +10,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 from typing import Any
 
 from edgeserve.engine.async_engine import AsyncEngine
@@ -110,6 +110,8 @@ class ChatClient(ABC):
 def _nbytes(obj: Any) -> int:
     if hasattr(obj, "nbytes"):
         return int(obj.nbytes)
+    if is_dataclass(obj):  # a model's layers and their parts
+        obj = vars(obj)
     if isinstance(obj, dict):
         return sum(_nbytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):

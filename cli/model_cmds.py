@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from edgeserve.backends.numpy_backend import WEIGHT_MODES, resident_weight_bytes
+from edgeserve.backends import WEIGHT_MODES, resident_weight_bytes
 from edgeserve.engine.kv_pool import kv_bytes_per_token
 from edgeserve.metal import active_attention_path
 from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, local_models, local_path, pull as pull_model

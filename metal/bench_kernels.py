@@ -90,7 +90,7 @@ def random_model() -> Any:
     """SmolLM2-135M's shapes with random 4-bit (8-bit embedding) weights and a placeholder vocabulary."""
     import tokenizers
 
-    from edgeserve.models.llama import ModelArgs
+    from edgeserve.models.base import ModelArgs
     from edgeserve.models.loader import LoadedModel
     from edgeserve.quant.affine import QuantizedTensor
     from edgeserve.text.tokenizer import Tokenizer

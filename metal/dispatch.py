@@ -27,6 +27,15 @@ class AttentionPath:
     run: Callable[..., Any]  # (q, k_cache, v_cache, prepared) -> output [T, n_heads, head_dim]
 
 
+def mlx_gpu_available() -> bool:
+    """Whether MLX is installed and sees a Metal or CUDA GPU."""
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return False
+    return mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available())
+
+
 def kernel_platform() -> str | None:
     """'metal' or 'cuda' when MLX computes on such a GPU; None on the CPU."""
     import mlx.core as mx
@@ -62,8 +71,6 @@ def select_attention() -> AttentionPath:
 def active_attention_path(backend: str = "auto") -> str:
     """The attention path a backend ('auto', 'numpy' or 'mlx') runs here: 'numpy', 'mlx-reference',
     'metal-kernel' or 'cuda-kernel'."""
-    from edgeserve.backends import mlx_gpu_available
-
     if backend == "numpy" or (backend == "auto" and not mlx_gpu_available()):
         return "numpy"
     platform = None if reference_forced() else kernel_platform()

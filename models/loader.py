@@ -17,14 +17,11 @@ import numpy as np
 from edgeserve.errors import ModelLoadError, ModelNotFoundError
 from edgeserve.models.catalog import CATALOG, pull
 from edgeserve.models.gguf_file import GGUFFile, read_gguf
-from edgeserve.models.llama import SUPPORTED_MODEL_TYPES, ModelArgs
+from edgeserve.models.base import ModelArgs, Weights
+from edgeserve.models.registry import architecture, gguf_model_type
 from edgeserve.quant.affine import QuantizedTensor
 from edgeserve.quant.gguf_blocks import gguf_tensor_to_array
 from edgeserve.text.tokenizer import Tokenizer
-
-Weights = dict[str, "np.ndarray | QuantizedTensor"]
-
-GGUF_ARCHITECTURES = {"llama", "qwen2"}
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -105,8 +102,7 @@ def _permute_rows(w: Any, order: np.ndarray) -> Any:
 def gguf_args(g: GGUFFile) -> ModelArgs:
     md = g.metadata
     arch = g.architecture
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(f"{g.path}: unsupported architecture {arch!r} (supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
+    model_type = gguf_model_type(arch, g.path)
 
     def get(key: str, default: Any = None) -> Any:
         value = md.get(f"{arch}.{key}", default)
@@ -122,7 +118,7 @@ def gguf_args(g: GGUFFile) -> ModelArgs:
         rope_scaling = {"rope_type": "factors", "factors": gguf_tensor_to_array(g.tensors["rope_freqs.weight"]).tolist()}
     elif md.get(f"{arch}.rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(md[f"{arch}.rope.scaling.factor"])}
-    return ModelArgs(
+    return architecture(model_type, g.path).args(
         hidden_size=hidden,
         num_hidden_layers=int(get("block_count")),
         intermediate_size=int(get("feed_forward_length")),
@@ -136,11 +132,12 @@ def gguf_args(g: GGUFFile) -> ModelArgs:
         tie_word_embeddings="output.weight" not in g.tensors,
         attention_bias="blk.0.attn_q.bias" in g.tensors,
         head_dim=int(md.get(f"{arch}.attention.key_length", hidden // n_heads)),
-        model_type=arch,
+        model_type=model_type,
     )
 
 
 def gguf_weights(g: GGUFFile, args: ModelArgs) -> Weights:
+    permuted = architecture(args.model_type, g.path).gguf_rope_permuted
     weights: Weights = {}
     for name, t in g.tensors.items():
         if name == "rope_freqs.weight":
@@ -153,7 +150,7 @@ def gguf_weights(g: GGUFFile, args: ModelArgs) -> Weights:
                 raise ModelLoadError(f"{g.path}: unexpected tensor {name!r}")
             hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
         w = gguf_tensor_to_array(t)
-        if g.architecture == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+        if permuted and (".q_proj." in hf or ".k_proj." in hf):
             heads = args.num_attention_heads if ".q_proj." in hf else args.num_key_value_heads
             w = _permute_rows(w, _rope_rows_to_half(w.shape[0], heads))
         weights[hf] = w
@@ -204,16 +201,14 @@ def load_folder(path: Path) -> LoadedModel:
     if not config_path.is_file():
         raise ModelLoadError(f"{path}: no config.json (expected a Hugging Face or MLX model folder)")
     config = json.loads(config_path.read_text())
-    model_type = config.get("model_type", "llama")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(f"{path}: unsupported architecture {model_type!r} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
+    family = architecture(config.get("model_type", "llama"), path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights")
     tensors: dict[str, np.ndarray] = {}
     for f in files:
         tensors.update(_read_safetensors(f))
-    args = ModelArgs.from_config(config)
+    args = family.args.from_config(config)
     quant = config.get("quantization") or config.get("quantization_config")
     weights: Weights = {}
     for name, arr in tensors.items():

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.loader import LoadedModel
+from edgeserve.models.registry import architecture
 from edgeserve.quant.affine import SUPPORTED_GROUP_SIZES, QuantizedTensor, _as_float32, pack, quantize, unpack
 from edgeserve.units import format_size
 
@@ -261,6 +262,7 @@ def _config(model: LoadedModel, plans: list[TensorPlan], bits: int, group_size: 
         config.update(model.args.to_config())
     except ValueError as exc:
         raise ConvertError(f"{model.source}: {exc}") from exc
+    config["architectures"] = [architecture(model.args.model_type, model.source).hf_name]
     config["torch_dtype"] = "float16"
     tok = model.tokenizer
     config.setdefault("bos_token_id", tok.bos_token_id)

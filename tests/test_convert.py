@@ -14,11 +14,12 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
-from edgeserve.backends.numpy_backend import DequantizingLinear, resident_weight_bytes
+from edgeserve.backends import resident_weight_bytes
+from edgeserve.backends.numpy_backend import DequantizingLinear
 from edgeserve.cli.main import cli
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, sha256_of
-from edgeserve.models.llama import ModelArgs, rope_inv_freq
+from edgeserve.models.base import ModelArgs, rope_inv_freq
 from edgeserve.models.loader import LoadedModel, load_folder
 from edgeserve.quant.affine import QuantizedTensor, quantize
 from edgeserve.quant.convert import TensorPlan, convert, convert_tensor
@@ -197,7 +198,7 @@ def test_sliding_windows_score_every_token_once():
 
 def test_quantized_weights_mode_matches_float32(loaded_model, source_logits, short_ids):
     engine = LLMEngine(loaded_model, backend="numpy", weights="quantized", kv_memory="64MiB")
-    qkv = engine.runner.model.layers[0]["qkv"]
+    qkv = engine.runner.model.layers[0].attention.qkv
     assert isinstance(qkv, DequantizingLinear)  # the model's own storage, no float32 copy
     assert qkv.parts[2] is loaded_model.weights["model.layers.0.self_attn.v_proj.weight"]
     assert np.abs(engine.prompt_logits(short_ids) - source_logits["short"]).max() < 1e-3

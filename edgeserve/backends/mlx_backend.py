@@ -162,10 +162,10 @@ class MLXBackend:
     def matmul(self, x: mx.array, w: Linear) -> mx.array:
         return w(x)
 
-    def lm_head(self, x: mx.array, table: Linear) -> mx.array:
+    def lm_head(self, x: mx.array, head: Linear) -> mx.array:
         if x.size == 0:  # MLX kernels reject empty launches
-            return mx.zeros((0, table.parts[0].weight.shape[0]), dtype=self.dtype)
-        return table(x)
+            return mx.zeros((0, head.parts[0].weight.shape[0]), dtype=self.dtype)
+        return head(x)
 
     def take_rows(self, x: mx.array, rows: mx.array) -> mx.array:
         if rows.size == 0:  # a step of prefill chunks that sample nothing

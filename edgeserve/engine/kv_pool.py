@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-from edgeserve.models.llama import ModelArgs
+from edgeserve.backends.base import Array, Backend, StepMeta
+from edgeserve.models.base import ModelArgs
 
 
 def kv_bytes_per_token(args: ModelArgs, dtype_bytes: int) -> int:
@@ -39,14 +38,14 @@ def size_pool(args: ModelArgs, budget_bytes: int, block_size: int, dtype_bytes: 
 class KVPool:
     """The pool's arrays, owned by one backend; the BlockManager decides who uses which block."""
 
-    def __init__(self, backend: Any, args: ModelArgs, size: PoolSize):
+    def __init__(self, backend: Backend, args: ModelArgs, size: PoolSize):
         self.backend = backend
         self.size = size
         shape = (size.num_blocks, size.block_size, args.num_key_value_heads, args.head_dim)
         self.k = [backend.allocate_kv(*shape) for _ in range(args.num_hidden_layers)]
         self.v = [backend.allocate_kv(*shape) for _ in range(args.num_hidden_layers)]
 
-    def write(self, layer: int, k: Any, v: Any, meta: Any) -> None:
+    def write(self, layer: int, k: Array, v: Array, meta: StepMeta) -> None:
         """Store this step's K/V rows at their slots (backends with immutable arrays return new ones)."""
         self.k[layer] = self.backend.write_kv(self.k[layer], k, meta)
         self.v[layer] = self.backend.write_kv(self.v[layer], v, meta)

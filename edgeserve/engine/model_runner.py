@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
+from edgeserve.backends.base import Backend
 from edgeserve.batch import Batch
 from edgeserve.engine.kv_pool import KVPool, PoolSize
-from edgeserve.models.llama import Llama
 from edgeserve.models.loader import LoadedModel
+from edgeserve.models.registry import build_model
 from edgeserve.engine.scheduler import ScheduledSeq
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, backend: Any, pool_size: PoolSize):
+    def __init__(self, model: LoadedModel, backend: Backend, pool_size: PoolSize):
         self.backend = backend
         self.args = model.args
-        self.model = Llama(model.args, model.weights, backend)
+        self.model = build_model(model.args, model.weights, backend)
         self.kv = KVPool(backend, model.args, pool_size)
         self.block_size = pool_size.block_size
 

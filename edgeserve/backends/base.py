@@ -1,0 +1,115 @@
+"""The contract between the model code and an array backend: every operation a model's forward pass
+and the KV pool ask of a backend, so a model is written once and runs on each.
+
+Arrays stay opaque here: a NumPy backend computes on `np.ndarray`, the MLX backend on `mx.array`
+(which cannot be named without importing MLX), and what a backend makes of a weight (a float32
+matrix, a dequantizing wrapper, MLX's quantized layout) is its own affair. The model only hands
+those objects back to the backend that made them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Union, runtime_checkable
+
+import numpy as np
+
+from edgeserve.batch import Batch
+from edgeserve.quant.affine import QuantizedTensor
+
+Array = Any  # an activation or KV array of the backend (np.ndarray, mx.array)
+HostWeight = Union[np.ndarray, QuantizedTensor]  # a weight as a loader gives it
+Prepared = Any  # a weight as the backend keeps it, made by vector/embedding/head/linear
+RopeTables = Any  # RoPE as the backend applies it, made once by rope_tables
+
+
+class StepMeta(Protocol):
+    """A backend's per-step arrays, made once by batch_meta and shared by every layer."""
+
+    token_ids: Array
+    logits_indices: Array
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The operations a backend provides; each returns new arrays unless it says otherwise."""
+
+    name: str  # "numpy", "mlx"
+    kv_dtype_bytes: int  # bytes of one KV pool element, for sizing the pool
+
+    def describe(self) -> str:
+        """One line for the start-up message, e.g. 'numpy (float32 weights)'."""
+        ...
+
+    # weights, prepared once when the model is built -----------------------------------------
+
+    def vector(self, w: HostWeight) -> Array:
+        """A 1-D weight (norm scale, bias) as an activation-dtype array."""
+        ...
+
+    def embedding(self, w: HostWeight) -> Prepared:
+        """A [vocab, hidden] table that `embed` looks rows up in."""
+        ...
+
+    def head(self, table: Prepared) -> Prepared:
+        """The output head made from an embedding (the model's own, where tied), for `lm_head`."""
+        ...
+
+    def linear(self, parts: list[HostWeight]) -> Prepared:
+        """[out, in] matrices sharing one input (q/k/v, gate/up), fused so `matmul` gives their outputs side by side."""
+        ...
+
+    def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> RopeTables:
+        """RoPE for positions below max_positions at the given inverse frequencies."""
+        ...
+
+    # one step: a ragged batch of decode tokens and prefill chunks -----------------------------
+
+    def batch_meta(self, batch: Batch, rope: RopeTables) -> StepMeta:
+        ...
+
+    def embed(self, table: Prepared, ids: Array) -> Array:
+        """Rows of an embedding: [T] ids -> [T, hidden]."""
+        ...
+
+    def matmul(self, x: Array, w: Prepared) -> Array:
+        """x [T, in] times a `linear` weight: [T, out]."""
+        ...
+
+    def lm_head(self, x: Array, head: Prepared) -> Array:
+        """Logits [T, vocab] of hidden states [T, hidden]."""
+        ...
+
+    def take_rows(self, x: Array, rows: Array) -> Array:
+        ...
+
+    def rms_norm(self, x: Array, w: Array, eps: float) -> Array:
+        ...
+
+    def apply_rope(self, x: Array, meta: StepMeta) -> Array:
+        """Rotate-half (NeoX) RoPE of heads [T, heads, head_dim] at each row's position."""
+        ...
+
+    def silu_mul(self, gate_up: Array) -> Array:
+        """silu(gate) * up of [T, 2 * n] laid out as gate then up: [T, n]."""
+        ...
+
+    def paged_attention(self, q: Array, k_cache: Array, v_cache: Array, meta: StepMeta) -> Array:
+        """Causal attention of q [T, heads, head_dim] over each row's sequence in the pool."""
+        ...
+
+    def to_numpy(self, x: Array) -> np.ndarray:
+        """Evaluate the step (pool writes included) and return x as float32 NumPy."""
+        ...
+
+    # the KV pool: per layer K and V of [num_blocks, block_size, n_kv_heads, head_dim] ---------
+
+    def allocate_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> Array:
+        ...
+
+    def write_kv(self, cache: Array, values: Array, meta: StepMeta) -> Array:
+        """Store values [T, n_kv_heads, head_dim] at the step's slots; the pool array to keep using."""
+        ...
+
+    def copy_blocks(self, cache: Array, pairs: list[tuple[int, int]]) -> Array:
+        """Copy whole blocks (source, destination), for copy-on-write; the pool array to keep using."""
+        ...

@@ -1,0 +1,112 @@
+"""What every model family shares: its arguments (from config.json or GGUF metadata), RoPE
+frequencies, and the interface the engine runs a model through."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from edgeserve.backends.base import Array, HostWeight
+from edgeserve.batch import Batch
+
+if TYPE_CHECKING:
+    from edgeserve.engine.kv_pool import KVPool
+
+Weights = dict[str, HostWeight]  # under Hugging Face names, whatever the file format
+
+
+@dataclass
+class ModelArgs:
+    """The arguments of the Llama-shaped families; a family with more subclasses it."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has biases on q/k/v
+    head_dim: int | None = None
+    model_type: str = "llama"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "ModelArgs":
+        """Build from a Hugging Face / MLX config.json dictionary."""
+        names = set(cls.__dataclass_fields__) - {"extra"}
+        args = {k: v for k, v in config.items() if k in names}
+        args.setdefault("num_key_value_heads", config["num_attention_heads"])
+        return cls(**args)
+
+    def to_config(self) -> dict[str, Any]:
+        """The arguments as a Hugging Face / mlx-lm config.json dictionary, less the class name the
+        registry knows (raises ValueError where no config.json can say them)."""
+        config = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "extra"}
+        config["hidden_act"] = "silu"
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "factors":
+            # GGUF keeps Llama 3 rope scaling only as per-frequency divisors. Every Llama 3.x
+            # model uses low/high frequency factors 1 and 4, which leaves the factor (the
+            # largest divisor) and the original context (from the divisors in between) to recover.
+            divisors = np.asarray(scaling["factors"], dtype=np.float64)
+            factor = float(divisors.max())
+            dim = self.head_dim
+            wavelen = 2 * math.pi * self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+            between = (divisors > 1) & (divisors < factor)
+            smooth = (1 / divisors[between] - 1 / factor) / (1 - 1 / factor)
+            original = int(np.round(np.median(wavelen[between] * (3 * smooth + 1)))) if between.any() else 8192
+            config["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+            fitted = type(self)(**{**self.__dict__, "rope_scaling": config["rope_scaling"]})
+            if not np.allclose(rope_inv_freq(fitted), rope_inv_freq(self), rtol=1e-5, atol=0):
+                raise ValueError("the model's rope frequency factors (GGUF rope_freqs) match no Llama 3 "
+                                 "rope_scaling that config.json can hold")
+        config.update(self.extra)
+        return config
+
+
+def rope_inv_freq(args: ModelArgs) -> np.ndarray:
+    """Inverse frequencies, with Llama 3 style scaling where the config asks for it."""
+    dim = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    scaling = args.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low = scaling.get("low_freq_factor", 1.0)
+        high = scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "factors":  # GGUF's rope_freqs tensor: the same Llama 3 scaling, precomputed
+        inv = inv / np.asarray(scaling["factors"], dtype=np.float64)
+    return inv
+
+
+
+class Model(Protocol):
+    """A model built for one backend: one forward pass per engine step."""
+
+    args: ModelArgs
+
+    def forward(self, batch: Batch, kv: KVPool) -> Array:
+        """Run one step over the ragged batch; return logits of the rows in batch.logits_indices."""
+        ...

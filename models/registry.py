@@ -1,0 +1,64 @@
+"""Which models edgeserve runs: config.json's `model_type` → the class that runs it, and GGUF's
+`general.architecture` → that model_type. The one list of what is supported.
+
+Adding a family: write models/<family>.py (a `Llama` subclass overriding the parts that differ,
+or any class built as `cls(args, weights, backend)` with a `forward(batch, kv)`; a `ModelArgs`
+subclass where it has more arguments) and add its line to ARCHITECTURES.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from edgeserve.backends.base import Backend
+from edgeserve.errors import ModelLoadError
+from edgeserve.models.base import Model, ModelArgs, Weights
+from edgeserve.models.llama import Llama, Qwen2Args
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A supported model_type: the class that runs it, its arguments, and its names in other formats."""
+
+    model: Callable[[ModelArgs, Weights, Backend], Model]
+    hf_name: str  # config.json's "architectures" entry, as convert writes it
+    args: type[ModelArgs] = ModelArgs
+    gguf_name: str | None = None  # GGUF general.architecture of its files; None: GGUF not supported
+    # llama.cpp's converter permutes q/k rows of this family for interleaved (GPT-J) RoPE
+    gguf_rope_permuted: bool = False
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture(Llama, "LlamaForCausalLM", gguf_name="llama", gguf_rope_permuted=True),
+    "mistral": Architecture(Llama, "MistralForCausalLM"),
+    "qwen2": Architecture(Llama, "Qwen2ForCausalLM", Qwen2Args, gguf_name="qwen2"),
+    "smollm": Architecture(Llama, "LlamaForCausalLM"),
+    "smollm2": Architecture(Llama, "LlamaForCausalLM"),
+}
+GGUF_MODEL_TYPES = {a.gguf_name: t for t, a in ARCHITECTURES.items() if a.gguf_name}
+
+
+def architecture(model_type: str, source: Path | str) -> Architecture:
+    """The entry of a config.json model_type; a ModelLoadError naming `source` where there is none."""
+    return _lookup(ARCHITECTURES, model_type, source)
+
+
+def gguf_model_type(gguf_architecture: str, source: Path | str) -> str:
+    """The model_type of a GGUF general.architecture; a ModelLoadError naming `source` where there is none."""
+    return _lookup(GGUF_MODEL_TYPES, gguf_architecture, source)
+
+
+def build_model(args: ModelArgs, weights: Weights, backend: Backend) -> Model:
+    """The model of args.model_type with its weights prepared by `backend`."""
+    return ARCHITECTURES[args.model_type].model(args, weights, backend)
+
+
+def _lookup(table: dict[str, T], name: str, source: Path | str) -> T:
+    if name not in table:
+        raise ModelLoadError(f"{source}: unsupported architecture {name!r} (supported: {', '.join(sorted(table))})")
+    return table[name]
