@@ -8,7 +8,7 @@ import pytest
 import tokenizers
 
 from edgeserve.models.catalog import DEFAULT_MODEL, pull
-from edgeserve.models.llama import ModelArgs
+from edgeserve.models.base import ModelArgs
 from edgeserve.models.loader import LoadedModel
 from edgeserve.text.tokenizer import Tokenizer
 

@@ -60,13 +60,13 @@ class ContractOnly:
         return getattr(self._backend, name)
 
 
-def test_model_pool_and_runner_use_only_the_protocol(loaded_model, backend):
-    runner = ModelRunner(loaded_model, ContractOnly(backend), PoolSize(num_blocks=4, block_size=16, bytes_per_token=0))
+def test_model_pool_and_runner_use_only_the_protocol(tiny_model, backend):
+    runner = ModelRunner(tiny_model, ContractOnly(backend), PoolSize(num_blocks=4, block_size=16, bytes_per_token=0))
     rng = np.random.default_rng(0)
     batch, _ = random_paged_batch([20, 7], [20, 1], 16, rng)
-    batch.token_ids = rng.integers(0, loaded_model.args.vocab_size, len(batch.positions))
+    batch.token_ids = rng.integers(0, tiny_model.args.vocab_size, len(batch.positions))
     batch.logits_indices = np.array([19, 20])
     logits = runner.backend.to_numpy(runner.model.forward(batch, runner.kv))
-    assert logits.shape == (2, loaded_model.args.vocab_size) and np.isfinite(logits).all()
+    assert logits.shape == (2, tiny_model.args.vocab_size) and np.isfinite(logits).all()
     runner.copy_blocks([(0, 3)])
     assert np.array_equal(runner.backend.to_numpy(runner.kv.k[0][3]), runner.backend.to_numpy(runner.kv.k[0][0]))

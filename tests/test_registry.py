@@ -68,14 +68,14 @@ def _logits(runner: ModelRunner, vocab: int) -> np.ndarray:
     return runner.backend.to_numpy(runner.model.forward(batch, runner.kv))
 
 
-def test_the_runner_builds_the_registered_class_with_its_parts(loaded_model, monkeypatch):
-    backend = get_backend("numpy", weights="quantized")  # the model's own storage: cheap to build twice
+def test_the_runner_builds_the_registered_class_with_its_parts(tiny_model, monkeypatch):
+    backend = get_backend("numpy")
     size = PoolSize(num_blocks=2, block_size=16, bytes_per_token=0)
-    plain = _logits(ModelRunner(loaded_model, backend, size), loaded_model.args.vocab_size)
+    plain = _logits(ModelRunner(tiny_model, backend, size), tiny_model.args.vocab_size)
     monkeypatch.setitem(ARCHITECTURES, "llama", replace(ARCHITECTURES["llama"], model=CountingLlama))
-    runner = ModelRunner(loaded_model, backend, size)
+    runner = ModelRunner(tiny_model, backend, size)
     assert type(runner.model) is CountingLlama
     assert all(type(layer.mlp) is CountingMLP for layer in runner.model.layers)
     CountingMLP.calls = 0
-    assert np.array_equal(_logits(runner, loaded_model.args.vocab_size), plain)
-    assert CountingMLP.calls == loaded_model.args.num_hidden_layers
+    assert np.array_equal(_logits(runner, tiny_model.args.vocab_size), plain)
+    assert CountingMLP.calls == tiny_model.args.num_hidden_layers
