@@ -49,7 +49,8 @@ def run(model: str, backend: str, weights: str, kv_memory: str, max_tokens: int,
     decode_tps = (n_out - 1) / (elapsed - ttft) if ttft is not None and n_out > 1 and elapsed > ttft else 0.0
     if as_json:
         click.echo(json.dumps({
-            "model": engine.model.source.name, "backend": engine.backend.name, "text": text,
+            "model": engine.model.source.name, "backend": engine.backend.name,
+            "runs_on": engine.backend.describe(), "text": text,
             "prompt_tokens": len(ids), "completion_tokens": n_out, "finish_reason": reason,
             "ttft_s": round(ttft or 0.0, 4), "decode_tokens_per_s": round(decode_tps, 2),
             "total_s": round(elapsed, 4),

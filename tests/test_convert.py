@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from safetensors.numpy import save_file
 
 from edgeserve.backends import resident_weight_bytes
-from edgeserve.backends.numpy_backend import DequantizingLinear
+from edgeserve.backends.qmatmul import QMatrix
 from edgeserve.cli.main import cli
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, sha256_of
@@ -199,9 +199,11 @@ def test_sliding_windows_score_every_token_once():
 def test_quantized_weights_mode_matches_float32(loaded_model, source_logits, short_ids):
     engine = LLMEngine(loaded_model, backend="numpy", weights="quantized", kv_memory="64MiB")
     qkv = engine.runner.model.layers[0].attention.qkv
-    assert isinstance(qkv, DequantizingLinear)  # the model's own storage, no float32 copy
-    assert qkv.parts[2] is loaded_model.weights["model.layers.0.self_attn.v_proj.weight"]
-    assert np.abs(engine.prompt_logits(short_ids) - source_logits["short"]).max() < 1e-3
+    assert isinstance(qkv, QMatrix)  # the quantized storage, repacked: no float32 copy
+    parts = [loaded_model.weights[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"]
+    assert qkv.nbytes <= 1.02 * sum(p.weight.nbytes + p.scales.nbytes + p.biases.nbytes for p in parts)
+    # the kernels round activations to int16 per group: logits move by far less than a rounding of the weights
+    assert np.abs(engine.prompt_logits(short_ids) - source_logits["short"]).max() < 2e-2
     float32, quantized = (resident_weight_bytes(loaded_model, mode) for mode in ("float32", "quantized"))
     head = loaded_model.weights["model.embed_tokens.weight"].shape  # tied: also held transposed as the head
     assert float32 == 4 * (loaded_model.num_parameters + head[0] * head[1]) and quantized < float32 / 4

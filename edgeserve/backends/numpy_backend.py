@@ -1,8 +1,10 @@
 """The NumPy backend: float32 weights and BLAS GEMMs on the CPU, paged attention over the pool.
 
-Weights are held as float32 (`weights="float32"`, fastest), or, where memory is short, kept in
-their quantized storage and dequantized a block of rows at a time inside each matmul
-(`weights="quantized"`), so no float32 copy of a whole matrix ever stays resident. Float32
+Weights stay in their quantized storage (`weights="quantized"`, the default wherever the compiled
+kernels of `qmatmul` are built): every matmul, the output head and the embedding lookup compute
+from the 4/8-bit groups, so a decode step reads the model file's bytes, not float32 copies 6x their
+size. `weights="float32"` holds float32 copies for OpenBLAS GEMMs: the exact oracle for tests, and
+the faster choice where only the (slow) numba fallback of the kernels is available. Float32
 matrices are stored transposed, [in, out]: OpenBLAS runs `x @ W` with few rows (decode) faster
 than `x @ W.T`.
 
@@ -16,8 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
+from edgeserve.backends import qmatmul
 from edgeserve.backends.cpu_kernels import compile_now, decode_attention
+from edgeserve.backends.qmatmul import QMatrix
 from edgeserve.batch import Batch
 from edgeserve.errors import EdgeserveError
 from edgeserve.quant.affine import QuantizedTensor
@@ -25,8 +30,10 @@ from edgeserve.quant.affine import QuantizedTensor
 NEG_INF = np.float32(-1e30)
 WEIGHT_MODES = ("float32", "quantized")
 
-# Elements of weight dequantized at once in "quantized" mode: 16 MiB of float32 scratch.
-_DEQUANT_BLOCK_ELEMENTS = 1 << 22
+# OpenBLAS's threads spin for a while after each call: beside the kernels' own thread pool on the
+# same cores, a 512-token prefill ran 5x slower. Each backend sets the BLAS threads it wants per step.
+_BLAS = ThreadpoolController().select(user_api="blas")
+_blas_threads: int | None = None
 # Query rows of a prefill chunk attended at once: each tile only reads keys up to its last row.
 _PREFILL_TILE = 128
 
@@ -41,9 +48,9 @@ def as_float32(w: Any) -> np.ndarray:
 def resident_weight_bytes(model: Any, mode: str) -> int:
     """Bytes of weights a NumpyBackend in `mode` holds for a LoadedModel.
 
-    "quantized" mode shares the model's own quantized arrays; "float32" mode holds float32
-    copies (a tied embedding twice: rows to look up, and transposed for the output head), on top
-    of the model's arrays for as long as the LoadedModel is kept.
+    "quantized" mode holds the quantized storage repacked for the kernels (a tied embedding once,
+    shared by the lookup and the output head); "float32" mode holds float32 copies (a tied
+    embedding twice: rows to look up, and transposed for the output head).
     """
     _check_mode(mode)
     total = 0
@@ -58,7 +65,11 @@ def resident_weight_bytes(model: Any, mode: str) -> int:
 
 
 def choose_weights_mode(model: Any, available_bytes: int) -> str:
-    """'float32' when its weights take at most half of `available_bytes`, else 'quantized'."""
+    """'quantized' for a quantized model where the compiled kernels run; otherwise 'float32' when
+    its copies take at most half of `available_bytes` (BLAS beats the numba fallback), else 'quantized'."""
+    quantized = any(isinstance(w, QuantizedTensor) for w in model.weights.values())
+    if quantized and qmatmul.compiled():
+        return "quantized"
     return "float32" if 2 * resident_weight_bytes(model, "float32") <= available_bytes else "quantized"
 
 
@@ -95,30 +106,37 @@ class NumpyBackend:
     kv_dtype = np.float32
     kv_dtype_bytes = np.dtype(kv_dtype).itemsize
 
-    def __init__(self, weights: str = "float32"):
+    def __init__(self, weights: str = "float32", threads: int | None = None):
         _check_mode(weights)
         self.weights = weights
+        self.threads = qmatmul.set_num_threads(threads)
+        # quantized mode calls BLAS only for prefill attention, where one thread costs little
+        self.blas_threads = 1 if weights == "quantized" else self.threads
         compile_now()  # at start-up, not inside the first request's timings
+        if weights == "quantized":
+            qmatmul.compile_now()
 
     def describe(self) -> str:
-        return f"numpy ({self.weights} weights)"
+        if self.weights == "quantized":
+            return f"numpy (quantized weights, {qmatmul.kernel_name()} kernels, {self.threads} threads)"
+        return "numpy (float32 weights)"
 
     def vector(self, w: Any) -> np.ndarray:
         return as_float32(w)
 
-    def embedding(self, w: Any) -> np.ndarray | QuantizedTensor:
+    def embedding(self, w: Any) -> np.ndarray | QMatrix:
         if self.weights == "quantized" and isinstance(w, QuantizedTensor):
-            return w
+            return qmatmul.prepare([w])
         return as_float32(w)
 
-    def head(self, table: np.ndarray | QuantizedTensor) -> np.ndarray | QuantizedTensor:
-        """The output head from an embedding table: transposed to [hidden, vocab] where float32."""
-        return table if isinstance(table, QuantizedTensor) else np.ascontiguousarray(table.T)
+    def head(self, table: np.ndarray | QMatrix) -> np.ndarray | QMatrix:
+        """The output head from an embedding table: the same QMatrix, or transposed to [hidden, vocab]."""
+        return table if isinstance(table, QMatrix) else np.ascontiguousarray(table.T)
 
-    def linear(self, parts: list[Any]) -> np.ndarray | DequantizingLinear:
-        """Fuse weights sharing an input (q/k/v, gate/up) into one [in, out] matrix: one GEMM each."""
+    def linear(self, parts: list[Any]) -> np.ndarray | QMatrix:
+        """Fuse weights sharing an input (q/k/v, gate/up) into one matrix: one kernel call or GEMM each."""
         if self.weights == "quantized" and any(isinstance(p, QuantizedTensor) for p in parts):
-            return DequantizingLinear([p if isinstance(p, QuantizedTensor) else as_float32(p) for p in parts])
+            return qmatmul.prepare([p if isinstance(p, QuantizedTensor) else as_float32(p) for p in parts])
         return np.ascontiguousarray(np.concatenate([as_float32(p) for p in parts], axis=0).T)
 
     def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -126,6 +144,7 @@ class NumpyBackend:
         return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
     def batch_meta(self, batch: Batch, rope: tuple[np.ndarray, np.ndarray]) -> NumpyMeta:
+        _set_blas_threads(self.blas_threads)
         cos, sin = rope
         rows, blocks, lens = batch.decode_layout()
         prefills = [
@@ -145,20 +164,18 @@ class NumpyBackend:
             prefills=prefills,
         )
 
-    def embed(self, table: np.ndarray | QuantizedTensor, ids: np.ndarray) -> np.ndarray:
-        if isinstance(table, QuantizedTensor):
-            return table.take_rows(ids).dequantize(np.float32)
+    def embed(self, table: np.ndarray | QMatrix, ids: np.ndarray) -> np.ndarray:
+        if isinstance(table, QMatrix):
+            return qmatmul.qembed(table, ids)
         return table[ids]
 
-    def matmul(self, x: np.ndarray, w: np.ndarray | DequantizingLinear) -> np.ndarray:
-        if isinstance(w, DequantizingLinear):
-            return w(x)
+    def matmul(self, x: np.ndarray, w: np.ndarray | QMatrix) -> np.ndarray:
+        if isinstance(w, QMatrix):
+            return qmatmul.qmatmul(np.ascontiguousarray(x), w)
         return x @ w
 
-    def lm_head(self, x: np.ndarray, head: np.ndarray | QuantizedTensor) -> np.ndarray:
-        if isinstance(head, QuantizedTensor):
-            return DequantizingLinear([head])(x)
-        return x @ head
+    def lm_head(self, x: np.ndarray, head: np.ndarray | QMatrix) -> np.ndarray:
+        return self.matmul(x, head)
 
     def take_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return x[rows]
@@ -234,32 +251,13 @@ class NumpyBackend:
         return out
 
 
-class DequantizingLinear:
-    """Weights sharing an input, kept as stored; each call dequantizes a block of rows at a time."""
-
-    def __init__(self, parts: list[np.ndarray | QuantizedTensor]):
-        self.parts = parts
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        """x @ W.T for the parts stacked by rows, as one [T, out] array."""
-        out = np.empty((x.shape[0], sum(p.shape[0] for p in self.parts)), dtype=np.float32)
-        col = 0
-        for part in self.parts:
-            rows, cols = part.shape
-            step = max(1, _DEQUANT_BLOCK_ELEMENTS // cols) if isinstance(part, QuantizedTensor) else rows
-            for start in range(0, rows, step):
-                stop = min(start + step, rows)
-                out[:, col + start : col + stop] = x @ _float32_rows(part, start, stop).T
-            col += rows
-        return out
-
-
-def _float32_rows(w: np.ndarray | QuantizedTensor, start: int, stop: int) -> np.ndarray:
-    """Rows [start, stop) of a weight as float32, dequantizing only those rows."""
-    if not isinstance(w, QuantizedTensor):
-        return w[start:stop]
-    block = QuantizedTensor(w.weight[start:stop], w.scales[start:stop], w.biases[start:stop], w.bits, w.group_size)
-    return block.dequantize(np.float32)
+def _set_blas_threads(n: int) -> None:
+    """Give BLAS n threads, unless it has them already (a step's first call is then free)."""
+    global _blas_threads
+    if n != _blas_threads:
+        for lib in _BLAS.lib_controllers:
+            lib.set_num_threads(n)
+        _blas_threads = n
 
 
 def _softmax_av(scores: np.ndarray, v: np.ndarray) -> np.ndarray:

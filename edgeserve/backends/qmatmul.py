@@ -151,6 +151,11 @@ def set_num_threads(n: int | None = None) -> int:
     return numba.get_num_threads()
 
 
+def compiled() -> bool:
+    """Whether the compiled C kernels are in use (not the numba fallback)."""
+    return _IMPL == "c"
+
+
 def kernel_name() -> str:
     """The kernel in use, e.g. 'c/avx512vnni' or 'numba'."""
     return f"c/{_ext.isa()}" if _IMPL == "c" else "numba"
