@@ -5,15 +5,25 @@ rows as the GQA group (3 for SmolLM2): BLAS runs those far below its speed, and 
 sequence's K/V out of the pool first costs a full copy. This kernel walks the block tables and
 reads every K and V row once, in place, with the softmax in between.
 
-It runs on one thread: numba's thread pool and OpenBLAS's spinning threads slow each other down
-several times over when they take turns on the same cores. numba compiles on first use and keeps
-the machine code in its on-disk cache, so only the first run on a machine pays for it.
+Many decode rows are split by sequence into one share per core, each share run by the same
+kernel on its own thread (the kernel releases the GIL): a plain thread pool rather than numba's,
+since a third pool beside the matmul kernels' and OpenBLAS's would fight them for the same cores.
+numba compiles on first use and keeps the machine code in its on-disk cache, so only the first
+run on a machine pays for it.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 from numba import njit
+
+# Below this many decode rows one thread is faster than handing shares to the pool.
+_MIN_ROWS_TO_SPLIT = 4
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+_pool = ThreadPoolExecutor(_CORES - 1, thread_name_prefix="attention") if _CORES > 1 else None
 
 
 def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
@@ -23,9 +33,27 @@ def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bl
     block_tables [D, max_blocks] and context_lens [D] say where each sequence's keys are.
     """
     out = np.empty_like(q)
+    q = np.ascontiguousarray(q)
     scale = np.float32(1.0 / np.sqrt(q.shape[-1]))
-    _decode_attention(np.ascontiguousarray(q), k_cache, v_cache, block_tables, context_lens, scale, out)
+    if _pool is None or len(q) < _MIN_ROWS_TO_SPLIT:
+        _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+        return out
+    shares = _shares(context_lens, _CORES)
+    futures = [_pool.submit(_decode_attention, q[a:b], k_cache, v_cache, block_tables[a:b], context_lens[a:b],
+                            scale, out[a:b]) for a, b in shares[1:]]
+    a, b = shares[0]
+    _decode_attention(q[a:b], k_cache, v_cache, block_tables[a:b], context_lens[a:b], scale, out[a:b])
+    for f in futures:
+        f.result()
     return out
+
+
+def _shares(context_lens: np.ndarray, n: int) -> list[tuple[int, int]]:
+    """Contiguous row ranges, one per thread, with about equal keys to read in each."""
+    ends = np.cumsum(context_lens)
+    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, n) / n)
+    bounds = [0, *np.clip(cuts + 1, 1, len(context_lens) - 1).tolist(), len(context_lens)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def compile_now() -> None:
