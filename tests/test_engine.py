@@ -92,6 +92,16 @@ def test_batch_invariance_on_the_real_model(loaded_model):
     check_batch_invariance(loaded_model, text_prompts(loaded_model.tokenizer, 17, seed=1))
 
 
+def test_a_rows_logits_do_not_depend_on_the_batch_on_the_real_model(loaded_model):
+    """A prompt's logits alone and with more rows in the batch (as a prefix-cache hit or another request
+    changes it): a difference of 0.02 is enough to change a seeded or even a greedy answer."""
+    engine = make_engine(loaded_model)
+    ids = engine.chat_prompt_ids([{"role": "user", "content": "Tell me a story."}])
+    alone = engine.prompt_logits(ids)
+    among_more = engine.prompt_logits(ids + ids[:3])[: len(ids)]
+    assert np.abs(alone - among_more).max() < 1e-3
+
+
 def test_prefix_cache_hit_skips_prefill(engine, prompts):
     system = np.random.default_rng(5).integers(3, 99, size=80).tolist() + [17]  # unlike any other prompt
     start = engine.stats()
