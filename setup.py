@@ -21,13 +21,14 @@ def discover_packages() -> list[str]:
             for sub in ["", *find_packages(where=folder)]]
 
 
-# The quantized matmul kernels pick their instruction set at run time, so they are compiled
+# The quantized matmul kernels and fused CPU ops pick their instruction set at run time, so they are compiled
 # without -march flags and a wheel runs on any CPU of its architecture. optional=True: where no
 # compiler is found the install still succeeds and edgeserve runs its numba kernels instead.
 UNIX = sys.platform != "win32"
 QMATMUL = Extension(
     "edgeserve.backends._qmatmul",
-    sources=["edgeserve/backends/_qmatmul.c"],
+    sources=["edgeserve/backends/_qmatmul.c", "edgeserve/backends/_cpu_ops.c"],
+    depends=["edgeserve/backends/_qmatmul.h"],
     extra_compile_args=["-O3", "-std=c11", "-pthread"] if UNIX else ["/O2"],
     extra_link_args=["-pthread"] if UNIX else [],
     optional=True,

@@ -17,20 +17,14 @@ against 16 / 8 for float32 FMA, and every unpacked weight vector serves up to 8 
 registers. Work is (row tile, panel chunk) items claimed atomically by a small pthread pool, so
 a descheduled worker only delays the items it holds.
 */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_qmatmul.h"
 
 #include <math.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-#if defined(__x86_64__) || defined(__i386__)
-#define QM_X86 1
-#include <immintrin.h>
-#endif
+#include <time.h>
 
 #define PANEL 16
 #define MAX_THREADS 64
@@ -303,20 +297,24 @@ static AVX2_TARGET void kernel_avx2(const Task *t, int p0, int p1, int r0, int r
 
 static kernel_fn g_kernel = kernel_generic;
 static const char *g_isa = "generic";
+static int g_isa_level = 0;
 static int g_threads = 1;                 /* threads used per call, the caller included */
 static int g_started = 0;                 /* workers created so far */
 static pthread_t g_workers[MAX_THREADS];
-static pthread_mutex_t g_call_lock = PTHREAD_MUTEX_INITIALIZER;  /* one call at a time owns the pool */
+pthread_mutex_t qm_call_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t g_sleep_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_wake = PTHREAD_COND_INITIALIZER;
 static atomic_uint g_gen;                 /* bumped once per call */
 static atomic_int g_sleepers;
 static atomic_uint_fast64_t g_claim;      /* (call generation << 32) | next item */
 static atomic_int g_done;                 /* items finished in the current call */
+static qm_item_fn g_fn;                   /* the current call's work */
+static const void *g_ctx;
 static Task g_task;
 static int g_spin_us = 100;
 
-static void run_item(const Task *t, int i) {
+static void gemm_item(const void *ctx, int i) {
+    const Task *t = (const Task *)ctx;
     int cols_chunks = (t->panels + t->chunk - 1) / t->chunk;
     int pc = i % cols_chunks, rt = i / cols_chunks;
     int p0 = pc * t->chunk, p1 = p0 + t->chunk < t->panels ? p0 + t->chunk : t->panels;
@@ -346,7 +344,7 @@ static void run_items(unsigned gen) {
         uint_fast64_t c = atomic_load(&g_claim);
         if ((unsigned)(c >> 32) != gen || (c & 0xffffffffu) == 0) return;
         if (!atomic_compare_exchange_weak(&g_claim, &c, c - 1)) continue;
-        run_item(&g_task, (int)(c & 0xffffffffu) - 1);
+        g_fn(g_ctx, (int)(c & 0xffffffffu) - 1);
         atomic_fetch_add(&g_done, 1);
     }
 }
@@ -389,23 +387,20 @@ static void start_workers(int n) {
     }
 }
 
-/* Runs g_task (already filled) on the pool; called with g_call_lock held and the GIL released. */
-static void run_task(void) {
-    Task *t = &g_task;
-    int nthreads = g_threads < g_started + 1 ? g_threads : g_started + 1;
-    t->row_tiles = (t->R + ROW_TILE - 1) / ROW_TILE;
-    /* ~8 items per thread keeps the load even when a worker starts late */
-    int want = nthreads * 8 / t->row_tiles;
-    if (want < 1) want = 1;
-    t->chunk = (t->panels + want - 1) / want;
-    t->items = ((t->panels + t->chunk - 1) / t->chunk) * t->row_tiles;
-    if (nthreads <= 1 || t->items == 1) {
-        for (int i = 0; i < t->items; i++) run_item(t, i);
+int qm_threads(void) { return g_threads < g_started + 1 ? g_threads : g_started + 1; }
+
+int qm_isa_level(void) { return g_isa_level; }
+
+void qm_parallel(int items, qm_item_fn fn, const void *ctx) {
+    if (qm_threads() <= 1 || items <= 1) {
+        for (int i = 0; i < items; i++) fn(ctx, i);
         return;
     }
+    g_fn = fn;
+    g_ctx = ctx;
     unsigned gen = atomic_load(&g_gen) + 1;
     atomic_store(&g_done, 0);
-    atomic_store(&g_claim, ((uint_fast64_t)gen << 32) | (unsigned)t->items);
+    atomic_store(&g_claim, ((uint_fast64_t)gen << 32) | (unsigned)items);
     atomic_store(&g_gen, gen);
     if (atomic_load(&g_sleepers) > 0) {
         pthread_mutex_lock(&g_sleep_lock);
@@ -413,7 +408,19 @@ static void run_task(void) {
         pthread_mutex_unlock(&g_sleep_lock);
     }
     run_items(gen);
-    while (atomic_load(&g_done) < t->items) cpu_relax();
+    while (atomic_load(&g_done) < items) cpu_relax();
+}
+
+/* Runs g_task (already filled) on the pool; called with qm_call_lock held and the GIL released. */
+static void run_task(void) {
+    Task *t = &g_task;
+    t->row_tiles = (t->R + ROW_TILE - 1) / ROW_TILE;
+    /* ~8 items per thread keeps the load even when a worker starts late */
+    int want = qm_threads() * 8 / t->row_tiles;
+    if (want < 1) want = 1;
+    t->chunk = (t->panels + want - 1) / want;
+    t->items = ((t->panels + t->chunk - 1) / t->chunk) * t->row_tiles;
+    qm_parallel(t->items, gemm_item, t);
 }
 
 /* ---- activation quantization: int16 per weight group, plus the group's float sum ---- */
@@ -497,7 +504,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         }
         int err = 0;
         Py_BEGIN_ALLOW_THREADS
-        pthread_mutex_lock(&g_call_lock);
+        pthread_mutex_lock(&qm_call_lock);
         if (reserve((size_t)R * K, (size_t)R * (K / group)) < 0) {
             err = 1;
         } else if (R > 0 && N > 0) {
@@ -521,7 +528,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             t->panels = panels;
             run_task();
         }
-        pthread_mutex_unlock(&g_call_lock);
+        pthread_mutex_unlock(&qm_call_lock);
         Py_END_ALLOW_THREADS
         if (err) {
             PyErr_NoMemory();
@@ -554,18 +561,18 @@ static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
     if (n < 1) n = 1;
     if (n > MAX_THREADS) n = MAX_THREADS;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&g_call_lock);
+    pthread_mutex_lock(&qm_call_lock);
     start_workers((int)n);
     g_threads = (int)n;
-    pthread_mutex_unlock(&g_call_lock);
+    pthread_mutex_unlock(&qm_call_lock);
     Py_END_ALLOW_THREADS
-    return PyLong_FromLong(g_threads < g_started + 1 ? g_threads : g_started + 1);
+    return PyLong_FromLong(qm_threads());
 }
 
 static PyObject *py_get_num_threads(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return PyLong_FromLong(g_threads < g_started + 1 ? g_threads : g_started + 1);
+    return PyLong_FromLong(qm_threads());
 }
 
 static PyObject *py_set_spin_us(PyObject *self, PyObject *arg) {
@@ -593,16 +600,19 @@ static void select_isa(const char *name) {
     if (!strcmp(name, "avx512vnni")) {
         g_kernel = kernel_avx512;
         g_isa = "avx512vnni";
+        g_isa_level = 2;
         return;
     }
     if (!strcmp(name, "avx2")) {
         g_kernel = kernel_avx2;
         g_isa = "avx2";
+        g_isa_level = 1;
         return;
     }
 #endif
     g_kernel = kernel_generic;
     g_isa = "generic";
+    g_isa_level = 0;
 }
 
 /* set_isa(name or None): use that code path (for tests); None picks the best the CPU runs. */
@@ -619,9 +629,9 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
             return NULL;
         }
     }
-    pthread_mutex_lock(&g_call_lock);
+    pthread_mutex_lock(&qm_call_lock);
     select_isa(name);
-    pthread_mutex_unlock(&g_call_lock);
+    pthread_mutex_unlock(&qm_call_lock);
     return PyUnicode_FromString(g_isa);
 }
 
@@ -636,12 +646,17 @@ static PyMethodDef methods[] = {
     {"set_num_threads", py_set_num_threads, METH_O, "Threads per call, the caller's included; returns the count in use."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads per call."},
     {"set_spin_us", py_set_spin_us, METH_O, "How long idle workers spin before sleeping, in microseconds."},
+    {"attention", (PyCFunction)(void (*)(void))qm_py_attention, METH_FASTCALL,
+     "attention(q, k_cache, v_cache, block_tables, context_lens, out, scale) -> whether it ran"},
+    {"rms_norm", (PyCFunction)(void (*)(void))qm_py_rms_norm, METH_FASTCALL, "rms_norm(x, w, out, eps) -> whether it ran"},
+    {"rope", (PyCFunction)(void (*)(void))qm_py_rope, METH_FASTCALL, "rope(x, cos, sin, out) -> whether it ran"},
+    {"silu_mul", (PyCFunction)(void (*)(void))qm_py_silu_mul, METH_FASTCALL, "silu_mul(gate_up, out) -> whether it ran"},
     {"set_isa", py_set_isa, METH_O, "Pick a code path by name, or None for the best one; returns its name."},
     {"isa", py_isa, METH_NOARGS, "The code path in use."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qmatmul", "Quantized matmul kernels.", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qmatmul", "Quantized matmul kernels and fused CPU ops.", -1, methods};
 
 PyMODINIT_FUNC PyInit__qmatmul(void) {
     PyObject *m = PyModule_Create(&module);

@@ -1,15 +1,21 @@
-"""Decode attention straight from the paged KV pool, compiled for the CPU with numba.
+"""Decode attention straight from the paged KV pool, and the small ops of a decoder block, compiled for the CPU.
 
 A decode row has one query token per sequence, so as a BLAS product it is a GEMM with as many
 rows as the GQA group (3 for SmolLM2): BLAS runs those far below its speed, and gathering each
-sequence's K/V out of the pool first costs a full copy. This kernel walks the block tables and
-reads every K and V row once, in place, with the softmax in between.
+sequence's K/V out of the pool first costs a full copy. The kernels walk the block tables and
+read every K and V row once, in place, with the softmax in between.
 
-Many decode rows are split by sequence into one share per core, each share run by the same
-kernel on its own thread (the kernel releases the GIL): a plain thread pool rather than numba's,
-since a third pool beside the matmul kernels' and OpenBLAS's would fight them for the same cores.
-numba compiles on first use and keeps the machine code in its on-disk cache, so only the first
-run on a machine pays for it.
+The C extension of `qmatmul` runs them (see _cpu_ops.c), with RMSNorm, RoPE and the SiLU gate as
+single-pass ops: one call each, on the extension's thread pool, where NumPy's per-call cost is
+most of a decode step's time for these small arrays. Without the extension, or with
+EDGESERVE_QMATMUL=numba, `ops` is None: decode attention runs the numba kernel below and the
+NumpyBackend its NumPy code for the small ops.
+
+The numba kernel splits many decode rows by sequence into one share per core, each share run on
+its own thread (the kernel releases the GIL): a plain thread pool rather than numba's, since a
+third pool beside the matmul kernels' and OpenBLAS's would fight them for the same cores. numba
+compiles on first use and keeps the machine code in its on-disk cache, so only the first run on
+a machine pays for it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import njit
 
+from edgeserve.backends import qmatmul
+
+# The extension's fused ops, or None where the numba and NumPy code runs instead. Each op returns
+# False, having done nothing, for arrays laid out in a way it does not take.
+ops = qmatmul._ext if qmatmul.compiled() else None
 # Below this many decode rows one thread is faster than handing shares to the pool.
 _MIN_ROWS_TO_SPLIT = 4
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -32,9 +43,11 @@ def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bl
 
     block_tables [D, max_blocks] and context_lens [D] say where each sequence's keys are.
     """
-    out = np.empty_like(q)
-    q = np.ascontiguousarray(q)
+    out = np.empty(q.shape, np.float32)
     scale = np.float32(1.0 / np.sqrt(q.shape[-1]))
+    if ops is not None and ops.attention(q, k_cache, v_cache, block_tables, context_lens, out, scale):
+        return out
+    q = np.ascontiguousarray(q)
     if _pool is None or len(q) < _MIN_ROWS_TO_SPLIT:
         _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
         return out
@@ -56,8 +69,32 @@ def _shares(context_lens: np.ndarray, n: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray | None:
+    """x / sqrt(mean(x^2) + eps) * w per row of x [R, K] by the C op, or None where it does not run."""
+    if ops is None:
+        return None
+    out = np.empty(x.shape, np.float32)
+    return out if ops.rms_norm(x, w, out, eps) else None
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
+    """Rotate-half RoPE of heads x [T, H, head_dim] at angles cos, sin [T, ..., head_dim / 2] by the C op, or None."""
+    if ops is None:
+        return None
+    out = np.empty(x.shape, np.float32)
+    return out if ops.rope(x, cos, sin, out) else None
+
+
+def silu_mul(gate_up: np.ndarray) -> np.ndarray | None:
+    """silu(gate) * up for gate_up [R, 2F] by the C op, or None where it does not run."""
+    if ops is None:
+        return None
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+    return out if ops.silu_mul(gate_up, out) else None
+
+
 def compile_now() -> None:
-    """Compile the kernel (or load it from numba's cache) now, so that no decode step waits for it."""
+    """Compile the numba kernel (or load it from its cache) now where it is in use, so that no decode step waits."""
     pool = np.zeros((1, 1, 1, 1), np.float32)
     decode_attention(np.zeros((1, 1, 1), np.float32), pool, pool, np.zeros((1, 1), np.int64), np.ones(1, np.int64))
 

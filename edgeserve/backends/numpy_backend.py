@@ -9,7 +9,10 @@ matrices are stored transposed, [in, out]: OpenBLAS runs `x @ W` with few rows (
 than `x @ W.T`.
 
 Decode rows attend through the compiled kernel of `cpu_kernels`; prefill chunks through BLAS
-GEMMs, a tile of query rows at a time so the causal upper triangle is mostly skipped.
+GEMMs, a tile of query rows at a time so the causal upper triangle is mostly skipped. RMSNorm,
+RoPE and the SiLU gate run as single-pass C ops of `cpu_kernels` where the extension is built
+(a decode step calls each of them per layer on one row, where NumPy's per-call cost dominates),
+as NumPy code otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from edgeserve.backends import qmatmul
+from edgeserve.backends import cpu_kernels, qmatmul
 from edgeserve.backends.cpu_kernels import compile_now, decode_attention
 from edgeserve.backends.qmatmul import QMatrix
 from edgeserve.batch import Batch
@@ -181,6 +184,8 @@ class NumpyBackend:
         return x[rows]
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        if (out := cpu_kernels.rms_norm(x, w, eps)) is not None:
+            return out
         ss = np.einsum("ij,ij->i", x, x)  # one pass, no x * x temporary
         ss *= np.float32(1.0 / x.shape[-1])
         ss += np.float32(eps)
@@ -189,11 +194,15 @@ class NumpyBackend:
         return out
 
     def apply_rope(self, x: np.ndarray, meta: NumpyMeta) -> np.ndarray:
+        if (out := cpu_kernels.apply_rope(x, meta.cos, meta.sin)) is not None:
+            return out
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         return np.concatenate([x1 * meta.cos - x2 * meta.sin, x2 * meta.cos + x1 * meta.sin], axis=-1)
 
     def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
+        if (out := cpu_kernels.silu_mul(gate_up)) is not None:
+            return out
         half = gate_up.shape[-1] // 2
         g, u = gate_up[:, :half], gate_up[:, half:]
         # one scratch array worked in place: the MLP's largest activation is not copied at each op

@@ -1,0 +1,699 @@
+/* Fused CPU ops of a decoder block for edgeserve's NumPy backend: decode attention straight from
+the paged KV pool, RMSNorm, rotate-half RoPE and SiLU-gated multiply.
+
+Each Python entry point returns False, having done nothing, when its arrays have a layout it does
+not take (dtype, strides, sizes), so the caller falls back to NumPy or numba instead of failing.
+
+Decode attention. A work item is one sequence, one KV head, up to ATT_GROUP of the query heads
+that share it, and a range of its keys: each K and V row is read once for the whole group. Keys
+go by tiles of ATT_TILE: the tile's scores, then an online softmax (running max and sum per
+head, the accumulator rescaled when the max grows), then the weighted sum of V rows. When there
+are fewer (sequence, KV head) pairs than the pool has threads to keep busy (one stream), each
+pair's keys are split into ranges whose partial results (max, sum, unnormalized output) are
+merged afterwards. exp is a polynomial (Cephes' expf, ~1 ulp) that vectorizes: libm's expf per
+score costs more than the dot product it follows.
+
+Code paths: AVX-512 intrinsics for the attention, where head_dim is a multiple of 16; portable C
+elsewhere, written as lane loops that compilers vectorize (NEON included), and built a second
+and third time inside AVX2 and AVX-512 target functions for the small ops on x86.
+*/
+#include "_qmatmul.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ATT_TILE 64    /* keys per tile: a tile's scores stay in L1 */
+#define ATT_GROUP 8    /* query heads per item at most (bounds the item's stack buffers) */
+#define ATT_MAX_HD 256
+#define ATT_MIN_SPLIT 128  /* keys per split at least: shorter ones cost more in merging than they gain */
+#define LANES 16
+#define INLINE static inline __attribute__((always_inline))
+
+/* ---- exp: Cephes expf, range-reduced by round(x / ln 2), with the rounding done by adding and
+   subtracting 1.5 * 2^23 so that it vectorizes without -ffast-math ---- */
+
+INLINE float exp_poly(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.3f ? 88.3f : x;
+    float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* ---- decode attention ---- */
+
+typedef struct {
+    int s, kv, h0, nh; /* sequence, KV head, its query heads h0..h0+nh-1 */
+    int t0, t1;        /* keys */
+    int slot;          /* partial result slot, or -1: the item writes out itself */
+} AttItem;
+
+typedef struct {
+    const float *q, *k, *v;
+    const int64_t *bt;
+    float *out, *part;
+    const AttItem *items;
+    Py_ssize_t q_row, bt_row; /* elements between rows of q and of block_tables */
+    int H, hd, bs, n_kv, slot_floats;
+    float scale;
+} AttTask;
+
+/* Pool offsets (in floats) of keys t0..t0+nt-1 of the item's sequence and KV head: one division
+   per tile, not per key. */
+INLINE void tile_offsets(const AttTask *t, const AttItem *it, int t0, int nt, size_t *off) {
+    const int64_t *table = t->bt + (size_t)it->s * t->bt_row;
+    const size_t row = (size_t)t->n_kv * t->hd;
+    int b = t0 / t->bs, r = t0 % t->bs;
+    size_t base = (size_t)table[b] * t->bs * row + (size_t)it->kv * t->hd;
+    for (int i = 0; i < nt; i++) {
+        off[i] = base + (size_t)r * row;
+        if (++r == t->bs && i + 1 < nt) {
+            r = 0;
+            base = (size_t)table[++b] * t->bs * row + (size_t)it->kv * t->hd;
+        }
+    }
+}
+
+/* The item's result: normalized into out, or (acc, max, sum) into its slot for merging. */
+static void att_finish(const AttTask *t, const AttItem *it, float (*acc)[ATT_MAX_HD], const float *m, const float *l) {
+    const int hd = t->hd;
+    for (int g = 0; g < it->nh; g++) {
+        if (it->slot < 0) {
+            float *o = t->out + ((size_t)it->s * t->H + it->h0 + g) * hd;
+            float inv = 1.f / l[g];
+            for (int i = 0; i < hd; i++) o[i] = acc[g][i] * inv;
+        } else {
+            float *p = t->part + (size_t)it->slot * t->slot_floats;
+            memcpy(p + (size_t)g * hd, acc[g], sizeof(float) * hd);
+            p[ATT_GROUP * hd + g] = m[g];
+            p[ATT_GROUP * hd + ATT_GROUP + g] = l[g];
+        }
+    }
+}
+
+INLINE float dot_generic(const float *a, const float *b, int n) {
+    float part[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) part[j] += a[i + j] * b[i + j];
+    float s = 0.f;
+    for (; i < n; i++) s += a[i] * b[i];
+    for (int j = 0; j < LANES; j++) s += part[j];
+    return s;
+}
+
+static void att_item_generic(const void *ctx, int index) {
+    const AttTask *t = (const AttTask *)ctx;
+    const AttItem *it = &t->items[index];
+    const int hd = t->hd, nh = it->nh;
+    float qs[ATT_GROUP][ATT_MAX_HD], acc[ATT_GROUP][ATT_MAX_HD], sc[ATT_GROUP][ATT_TILE], m[ATT_GROUP], l[ATT_GROUP];
+    size_t off[ATT_TILE];
+    for (int g = 0; g < nh; g++) {
+        const float *qr = t->q + (size_t)it->s * t->q_row + (size_t)(it->h0 + g) * hd;
+        for (int i = 0; i < hd; i++) {
+            qs[g][i] = qr[i] * t->scale;
+            acc[g][i] = 0.f;
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+    }
+    for (int t0 = it->t0; t0 < it->t1; t0 += ATT_TILE) {
+        int nt = it->t1 - t0 < ATT_TILE ? it->t1 - t0 : ATT_TILE;
+        tile_offsets(t, it, t0, nt, off);
+        for (int g = 0; g < nh; g++) {
+            float top = m[g];
+            for (int i = 0; i < nt; i++) {
+                sc[g][i] = dot_generic(qs[g], t->k + off[i], hd);
+                top = sc[g][i] > top ? sc[g][i] : top;
+            }
+            float alpha = exp_poly(m[g] - top), sum = 0.f;
+            for (int i = 0; i < nt; i++) {
+                sc[g][i] = exp_poly(sc[g][i] - top);
+                sum += sc[g][i];
+            }
+            m[g] = top;
+            l[g] = l[g] * alpha + sum;
+            for (int j = 0; j < hd; j++) acc[g][j] *= alpha;
+            for (int i = 0; i < nt; i++) {
+                const float *vr = t->v + off[i];
+                float p = sc[g][i];
+                for (int j = 0; j < hd; j++) acc[g][j] += p * vr[j];
+            }
+        }
+    }
+    att_finish(t, it, acc, m, l);
+}
+
+#ifdef QM_X86
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+
+static inline AVX512_TARGET __attribute__((always_inline)) __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The horizontal sums of four vectors, as the four lanes of one: 11 shuffles and adds where four
+   separate reductions take 16, and the dot products feed it with no dependency between them. */
+static inline AVX512_TARGET __attribute__((always_inline)) __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                                _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+    abcd = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, 0x4e));
+    abcd = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, 0xb1));
+    return _mm512_castps512_ps128(abcd);
+}
+
+static inline AVX512_TARGET __attribute__((always_inline)) __m512 dot_vec(const __m512 *q, const float *k, const int HV) {
+    __m512 d0 = _mm512_mul_ps(q[0], _mm512_loadu_ps(k)), d1 = _mm512_mul_ps(q[1], _mm512_loadu_ps(k + 16));
+    for (int j = 2; j < HV; j += 2) {
+        d0 = _mm512_fmadd_ps(q[j], _mm512_loadu_ps(k + 16 * j), d0);
+        if (j + 1 < HV) d1 = _mm512_fmadd_ps(q[j + 1], _mm512_loadu_ps(k + 16 * j + 16), d1);
+    }
+    return _mm512_add_ps(d0, d1);
+}
+
+/* One item, head_dim = 16 * HV (HV >= 2; a constant where inlined, so q and the accumulators of
+   a head live in registers). */
+static inline AVX512_TARGET __attribute__((always_inline)) void att_item_avx512_body(const AttTask *t, const AttItem *it,
+                                                                                      const int HV) {
+    const int hd = 16 * HV, nh = it->nh;
+    float acc[ATT_GROUP][ATT_MAX_HD] __attribute__((aligned(64)));
+    float sc[ATT_GROUP][ATT_TILE] __attribute__((aligned(64)));
+    float m[ATT_GROUP], l[ATT_GROUP];
+    size_t offs[2][ATT_TILE + 3];
+    __m512 qs[ATT_GROUP][ATT_MAX_HD / 16];
+    const __m512 scale = _mm512_set1_ps(t->scale);
+    for (int g = 0; g < nh; g++) {
+        const float *qr = t->q + (size_t)it->s * t->q_row + (size_t)(it->h0 + g) * hd;
+        for (int j = 0; j < HV; j++) {
+            qs[g][j] = _mm512_mul_ps(_mm512_loadu_ps(qr + 16 * j), scale);
+            _mm512_store_ps(acc[g] + 16 * j, _mm512_setzero_ps());
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+    }
+    int nt = it->t1 - it->t0 < ATT_TILE ? it->t1 - it->t0 : ATT_TILE;
+    tile_offsets(t, it, it->t0, nt, offs[0]);
+    for (int t0 = it->t0, cur = 0; t0 < it->t1; t0 += ATT_TILE, cur ^= 1) {
+        const size_t *off = offs[cur], *next = offs[cur ^ 1];
+        const int n_next = it->t1 - t0 - nt < ATT_TILE ? it->t1 - t0 - nt : ATT_TILE;
+        if (n_next > 0) tile_offsets(t, it, t0 + nt, n_next, offs[cur ^ 1]);
+        for (int i = nt; i < ((nt + 3) & ~3); i++) offs[cur][i] = off[nt - 1]; /* scored, then ignored */
+        for (int g = 0; g < nh; g++) {
+            __m512 q[ATT_MAX_HD / 16];
+            for (int j = 0; j < HV; j++) q[j] = qs[g][j];
+            for (int i = 0; i < nt; i += 4) {
+                /* the pool is read from DRAM (a step's K/V outgrow the caches, and the weights
+                   stream through them): the next tile's rows are fetched while this one computes */
+                if (g == 0)
+                    for (int r = i; r < i + 4 && r < n_next; r++)
+                        for (int j = 0; j < HV; j++) {
+                            _mm_prefetch((const char *)(t->k + next[r] + 16 * j), _MM_HINT_T0);
+                            _mm_prefetch((const char *)(t->v + next[r] + 16 * j), _MM_HINT_T0);
+                        }
+                __m128 s4 = hsum4(dot_vec(q, t->k + off[i], HV), dot_vec(q, t->k + off[i + 1], HV),
+                                  dot_vec(q, t->k + off[i + 2], HV), dot_vec(q, t->k + off[i + 3], HV));
+                _mm_storeu_ps(sc[g] + i, s4);
+            }
+            /* online softmax over the tile */
+            __m512 top = _mm512_set1_ps(m[g]);
+            for (int i = 0; i < nt; i += 16) {
+                __mmask16 k = nt - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nt - i)) - 1);
+                top = _mm512_mask_max_ps(top, k, top, _mm512_loadu_ps(sc[g] + i));
+            }
+            float mx = _mm512_reduce_max_ps(top);
+            const __m512 mv = _mm512_set1_ps(mx);
+            __m512 sum = _mm512_setzero_ps();
+            for (int i = 0; i < nt; i += 16) {
+                __mmask16 k = nt - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nt - i)) - 1);
+                __m512 p = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_loadu_ps(sc[g] + i), mv)));
+                _mm512_storeu_ps(sc[g] + i, p);
+                sum = _mm512_add_ps(sum, p);
+            }
+            const float alpha = exp_poly(m[g] - mx);
+            m[g] = mx;
+            l[g] = l[g] * alpha + _mm512_reduce_add_ps(sum);
+            /* weighted V rows: two keys at a time on separate accumulators, so that with 4 vectors
+               per head the FMAs still have 8 independent chains */
+            __m512 a[ATT_MAX_HD / 16], b[ATT_MAX_HD / 16];
+            const __m512 al = _mm512_set1_ps(alpha);
+            for (int j = 0; j < HV; j++) {
+                a[j] = _mm512_mul_ps(_mm512_load_ps(acc[g] + 16 * j), al);
+                b[j] = _mm512_setzero_ps();
+            }
+            int i = 0;
+            for (; i + 2 <= nt; i += 2) {
+                const float *v0 = t->v + off[i], *v1 = t->v + off[i + 1];
+                const __m512 p0 = _mm512_set1_ps(sc[g][i]), p1 = _mm512_set1_ps(sc[g][i + 1]);
+                for (int j = 0; j < HV; j++) {
+                    a[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * j), a[j]);
+                    b[j] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * j), b[j]);
+                }
+            }
+            if (i < nt) {
+                const float *v0 = t->v + off[i];
+                const __m512 p0 = _mm512_set1_ps(sc[g][i]);
+                for (int j = 0; j < HV; j++) a[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * j), a[j]);
+            }
+            for (int j = 0; j < HV; j++) _mm512_store_ps(acc[g] + 16 * j, _mm512_add_ps(a[j], b[j]));
+        }
+        nt = n_next;
+    }
+    att_finish(t, it, acc, m, l);
+}
+
+static AVX512_TARGET void att_item_avx512(const void *ctx, int index) {
+    const AttTask *t = (const AttTask *)ctx;
+    const AttItem *it = &t->items[index];
+    switch (t->hd) {
+    case 64: att_item_avx512_body(t, it, 4); break;
+    case 128: att_item_avx512_body(t, it, 8); break;
+    default: att_item_avx512_body(t, it, t->hd / 16); break;
+    }
+}
+#endif /* QM_X86 */
+
+/* Per-call scratch, grown as needed; used under qm_call_lock only. */
+static AttItem *g_items;
+static float *g_part;
+static size_t g_items_cap, g_part_cap;
+
+static int grow(void **p, size_t *cap, size_t need, size_t elem) {
+    if (need <= *cap) return 0;
+    void *n = realloc(*p, need * elem);
+    if (!n) return -1;
+    *p = n;
+    *cap = need;
+    return 0;
+}
+
+/* Plans the items of a call and runs them; returns -1 when out of memory. */
+static int run_attention(AttTask *t, const int64_t *lens, int D) {
+    const int group = t->H / t->n_kv;
+    const int subs = (group + ATT_GROUP - 1) / ATT_GROUP, sub = (group + subs - 1) / subs;
+    const int pairs = D * t->n_kv * subs, threads = qm_threads();
+    int64_t longest = 0;
+    for (int s = 0; s < D; s++) longest = lens[s] > longest ? lens[s] : longest;
+    /* split keys only when the pairs alone leave threads idle: 4 items per thread evens out the
+       load of pairs that do not divide among the threads */
+    int64_t split = longest;
+    if (threads > 1 && pairs < 4 * threads) {
+        int want = (4 * threads + pairs - 1) / pairs;
+        split = (longest + want - 1) / want;
+        split = split < ATT_MIN_SPLIT ? ATT_MIN_SPLIT : (split + ATT_TILE - 1) / ATT_TILE * ATT_TILE;
+    }
+    if (split < 1) split = 1;
+    size_t n_items = 0, n_slots = 0;
+    for (int s = 0; s < D; s++) {
+        int64_t ns = (lens[s] + split - 1) / split;
+        n_items += (size_t)ns * t->n_kv * subs;
+        if (ns > 1) n_slots += (size_t)ns * t->n_kv * subs;
+    }
+    t->slot_floats = ATT_GROUP * (t->hd + 2);
+    if (grow((void **)&g_items, &g_items_cap, n_items + 1, sizeof(AttItem)) < 0 ||
+        grow((void **)&g_part, &g_part_cap, n_slots * t->slot_floats + 1, sizeof(float)) < 0)
+        return -1;
+    size_t n = 0;
+    int slot = 0;
+    for (int s = 0; s < D; s++) {
+        int len = (int)lens[s], ns = (int)((len + split - 1) / split);
+        if (len == 0) memset(t->out + (size_t)s * t->H * t->hd, 0, sizeof(float) * t->H * t->hd);
+        for (int kv = 0; kv < t->n_kv; kv++)
+            for (int h = 0; h < group; h += sub)
+                for (int k = 0; k < ns; k++) {
+                    AttItem *it = &g_items[n++];
+                    it->s = s;
+                    it->kv = kv;
+                    it->h0 = kv * group + h;
+                    it->nh = group - h < sub ? group - h : sub;
+                    it->t0 = (int)(k * split);
+                    it->t1 = (int)((k + 1) * split < len ? (k + 1) * split : len);
+                    it->slot = ns > 1 ? slot++ : -1;
+                }
+    }
+    t->items = g_items;
+    t->part = g_part;
+    qm_item_fn fn = att_item_generic;
+#ifdef QM_X86
+    if (qm_isa_level() == 2 && t->hd % 32 == 0) fn = att_item_avx512;
+#endif
+    qm_parallel((int)n, fn, t);
+    /* merge the splits of each (sequence, head): weights exp(m_k - max) on the partial sums */
+    for (size_t i = 0; i < n;) {
+        const AttItem *it = &g_items[i];
+        if (it->slot < 0) {
+            i++;
+            continue;
+        }
+        size_t e = i;
+        while (e < n && g_items[e].s == it->s && g_items[e].h0 == it->h0) e++;
+        for (int g = 0; g < it->nh; g++) {
+            float top = -INFINITY, total = 0.f;
+            for (size_t j = i; j < e; j++) {
+                float mj = g_part[(size_t)g_items[j].slot * t->slot_floats + ATT_GROUP * t->hd + g];
+                top = mj > top ? mj : top;
+            }
+            float *o = t->out + ((size_t)it->s * t->H + it->h0 + g) * t->hd;
+            memset(o, 0, sizeof(float) * t->hd);
+            for (size_t j = i; j < e; j++) {
+                const float *p = g_part + (size_t)g_items[j].slot * t->slot_floats;
+                float w = exp_poly(p[ATT_GROUP * t->hd + g] - top);
+                total += w * p[ATT_GROUP * t->hd + ATT_GROUP + g];
+                for (int d = 0; d < t->hd; d++) o[d] += w * p[(size_t)g * t->hd + d];
+            }
+            float inv = 1.f / total;
+            for (int d = 0; d < t->hd; d++) o[d] *= inv;
+        }
+        i = e;
+    }
+    return 0;
+}
+
+/* ---- the small ops: one pass each; rows split over the pool when there are many ---- */
+
+#define OPS_ITEM_FLOATS 32768 /* floats per item at least: fewer and the pool costs more than it gives */
+
+typedef struct {
+    const float *x, *w, *cos, *sin;
+    float *out;
+    Py_ssize_t x_row, out_row; /* floats between rows */
+    int rows, cols, heads, rows_per_item;
+    float eps;
+} OpsTask;
+
+INLINE void rms_norm_rows(const OpsTask *t, int r0, int r1) {
+    const int K = t->cols;
+    for (int r = r0; r < r1; r++) {
+        const float *x = t->x + (size_t)r * t->x_row;
+        float *o = t->out + (size_t)r * t->out_row;
+        float part[LANES] = {0};
+        int k = 0;
+        for (; k + LANES <= K; k += LANES)
+            for (int j = 0; j < LANES; j++) part[j] += x[k + j] * x[k + j];
+        float ss = 0.f;
+        for (; k < K; k++) ss += x[k] * x[k];
+        for (int j = 0; j < LANES; j++) ss += part[j];
+        float inv = 1.f / sqrtf(ss / (float)K + t->eps);
+        for (k = 0; k < K; k++) o[k] = x[k] * inv * t->w[k];
+    }
+}
+
+/* rows of heads [heads, cols]; cos and sin [rows, cols / 2] */
+INLINE void rope_rows(const OpsTask *t, int r0, int r1) {
+    const int hd = t->cols, half = hd / 2;
+    for (int r = r0; r < r1; r++) {
+        const float *c = t->cos + (size_t)r * half, *s = t->sin + (size_t)r * half;
+        for (int h = 0; h < t->heads; h++) {
+            const float *x = t->x + (size_t)r * t->x_row + (size_t)h * hd;
+            float *o = t->out + (size_t)r * t->out_row + (size_t)h * hd;
+            for (int i = 0; i < half; i++) {
+                float x1 = x[i], x2 = x[half + i];
+                o[i] = x1 * c[i] - x2 * s[i];
+                o[half + i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}
+
+/* gate | up [rows, 2 * cols] -> silu(gate) * up [rows, cols] */
+INLINE void silu_mul_rows(const OpsTask *t, int r0, int r1) {
+    const int F = t->cols;
+    for (int r = r0; r < r1; r++) {
+        const float *g = t->x + (size_t)r * t->x_row, *u = g + F;
+        float *o = t->out + (size_t)r * t->out_row;
+        for (int k = 0; k < F; k++) o[k] = g[k] / (1.f + exp_poly(-g[k])) * u[k];
+    }
+}
+
+#define OPS_ITEM_FNS(op)                                                              \
+    static void op##_generic(const void *ctx, int i) {                                \
+        const OpsTask *t = (const OpsTask *)ctx;                                      \
+        int r0 = i * t->rows_per_item, r1 = r0 + t->rows_per_item;                    \
+        op##_rows(t, r0, r1 < t->rows ? r1 : t->rows);                                \
+    }                                                                                 \
+    OPS_X86_FNS(op)
+
+#ifdef QM_X86
+#define OPS_X86_FNS(op)                                                               \
+    static __attribute__((target("avx2,fma"))) void op##_avx2(const void *ctx, int i) { \
+        const OpsTask *t = (const OpsTask *)ctx;                                      \
+        int r0 = i * t->rows_per_item, r1 = r0 + t->rows_per_item;                    \
+        op##_rows(t, r0, r1 < t->rows ? r1 : t->rows);                                \
+    }                                                                                 \
+    static AVX512_TARGET void op##_avx512(const void *ctx, int i) {                   \
+        const OpsTask *t = (const OpsTask *)ctx;                                      \
+        int r0 = i * t->rows_per_item, r1 = r0 + t->rows_per_item;                    \
+        op##_rows(t, r0, r1 < t->rows ? r1 : t->rows);                                \
+    }
+#define OPS_PICK(op) (qm_isa_level() == 2 ? op##_avx512 : qm_isa_level() == 1 ? op##_avx2 : op##_generic)
+#else
+#define OPS_X86_FNS(op)
+#define OPS_PICK(op) op##_generic
+#endif
+
+OPS_ITEM_FNS(rms_norm)
+OPS_ITEM_FNS(rope)
+OPS_ITEM_FNS(silu_mul)
+
+static void run_ops(OpsTask *t, qm_item_fn fn, size_t row_floats) {
+    size_t per = OPS_ITEM_FLOATS / (row_floats ? row_floats : 1) + 1;
+    int items = (int)((t->rows + per - 1) / per);
+    int threads = qm_threads();
+    /* no more items than threads: each is a plain streaming pass */
+    if (items > threads) {
+        items = threads;
+        per = (t->rows + items - 1) / items;
+    }
+    t->rows_per_item = (int)per;
+    if (t->rows > 0) qm_parallel((int)((t->rows + per - 1) / per), fn, t);
+}
+
+/* ---- Python entry points ---- */
+
+typedef struct {
+    Py_buffer b[6];
+    int n;
+} Buffers;
+
+static void release(Buffers *bs) {
+    for (int i = 0; i < bs->n; i++) PyBuffer_Release(&bs->b[i]);
+    bs->n = 0;
+}
+
+/* Takes buffer i of args (float32 unless `format` says otherwise); NULL with an error set on failure. */
+static Py_buffer *take(Buffers *bs, PyObject *o, int writable) {
+    Py_buffer *b = &bs->b[bs->n];
+    if (PyObject_GetBuffer(o, b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_STRIDES | PyBUF_FORMAT) < 0) return NULL;
+    bs->n++;
+    return b;
+}
+
+static int is_f32(const Py_buffer *b) { return b->itemsize == 4 && b->format && !strcmp(b->format, "f"); }
+
+static int is_i64(const Py_buffer *b) {
+    if (b->itemsize != 8 || !b->format) return 0;
+    const char *f = b->format;
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    return (!strcmp(f, "l") || !strcmp(f, "q"));
+}
+
+static int c_contiguous(const Py_buffer *b) {
+    Py_ssize_t step = b->itemsize;
+    for (int i = b->ndim - 1; i >= 0; i--) {
+        if (b->shape[i] > 1 && b->strides[i] != step) return 0;
+        step *= b->shape[i];
+    }
+    return 1;
+}
+
+/* A row stride in elements, or -1 when rows are not a whole number of elements apart. */
+static Py_ssize_t row_stride(const Py_buffer *b) {
+    if (b->shape[0] <= 1) return 0;
+    return b->strides[0] % b->itemsize || b->strides[0] < 0 ? -1 : b->strides[0] / b->itemsize;
+}
+
+/* attention(q, k_cache, v_cache, block_tables, context_lens, out, scale) -> bool
+   q float32 [D, H, hd] (rows at any stride, heads contiguous); pools float32 [blocks, bs, n_kv, hd]
+   C-contiguous; block_tables int64 [D, max_blocks]; context_lens int64 [D]; out float32 [D, H, hd]
+   C-contiguous. Raises on block ids or lengths outside the pool. */
+PyObject *qm_py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "attention takes 7 arguments");
+        return NULL;
+    }
+    double scale = PyFloat_AsDouble(args[6]);
+    if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    Buffers bs = {.n = 0};
+    Py_buffer *q, *k, *v, *bt, *cl, *o;
+    if (!(q = take(&bs, args[0], 0)) || !(k = take(&bs, args[1], 0)) || !(v = take(&bs, args[2], 0)) ||
+        !(bt = take(&bs, args[3], 0)) || !(cl = take(&bs, args[4], 0)) || !(o = take(&bs, args[5], 1))) {
+        release(&bs);
+        return NULL;
+    }
+    int ok = q->ndim == 3 && k->ndim == 4 && v->ndim == 4 && bt->ndim == 2 && cl->ndim == 1 && o->ndim == 3 &&
+             is_f32(q) && is_f32(k) && is_f32(v) && is_f32(o) && is_i64(bt) && is_i64(cl);
+    if (ok) {
+        Py_ssize_t D = q->shape[0], H = q->shape[1], hd = q->shape[2];
+        ok = hd > 0 && hd <= ATT_MAX_HD && k->shape[3] == hd && k->shape[2] > 0 && H % k->shape[2] == 0 &&
+             q->strides[2] == 4 && q->strides[1] == 4 * hd && row_stride(q) >= 0 && c_contiguous(k) &&
+             c_contiguous(v) && c_contiguous(o) && c_contiguous(cl) && bt->strides[1] == 8 && row_stride(bt) >= 0 &&
+             bt->shape[0] == D && cl->shape[0] == D && o->shape[0] == D && o->shape[1] == H && o->shape[2] == hd;
+        for (int i = 0; ok && i < 4; i++) ok = k->shape[i] == v->shape[i];
+    }
+    if (!ok) {
+        release(&bs);
+        Py_RETURN_FALSE;
+    }
+    AttTask t = {
+        .q = (const float *)q->buf, .k = (const float *)k->buf, .v = (const float *)v->buf,
+        .bt = (const int64_t *)bt->buf, .out = (float *)o->buf, .q_row = row_stride(q), .bt_row = row_stride(bt),
+        .H = (int)q->shape[1], .hd = (int)q->shape[2], .bs = (int)k->shape[1], .n_kv = (int)k->shape[2],
+        .scale = (float)scale,
+    };
+    const int64_t *lens = (const int64_t *)cl->buf;
+    int D = (int)q->shape[0];
+    for (int s = 0; s < D; s++) {
+        int64_t len = lens[s];
+        int bad = len < 0 || (len + t.bs - 1) / t.bs > bt->shape[1];
+        for (int64_t b = 0; !bad && b < (len + t.bs - 1) / t.bs; b++) {
+            int64_t id = t.bt[(size_t)s * t.bt_row + b];
+            bad = id < 0 || id >= k->shape[0];
+        }
+        if (bad) {
+            release(&bs);
+            PyErr_Format(PyExc_ValueError, "attention: row %d's context length or block ids fall outside the pool", s);
+            return NULL;
+        }
+    }
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&qm_call_lock);
+    err = run_attention(&t, lens, D);
+    pthread_mutex_unlock(&qm_call_lock);
+    Py_END_ALLOW_THREADS
+    release(&bs);
+    if (err) return PyErr_NoMemory();
+    Py_RETURN_TRUE;
+}
+
+/* Rows of a 2-D float32 buffer: unit column stride, rows at any whole stride. */
+static int rows_ok(const Py_buffer *b, Py_ssize_t rows, Py_ssize_t cols) {
+    return b->ndim == 2 && is_f32(b) && b->shape[0] == rows && b->shape[1] == cols &&
+           (cols <= 1 || b->strides[1] == 4) && row_stride(b) >= 0;
+}
+
+static PyObject *run_op(OpsTask *t, Buffers *bs, qm_item_fn fn, size_t row_floats) {
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&qm_call_lock);
+    run_ops(t, fn, row_floats);
+    pthread_mutex_unlock(&qm_call_lock);
+    Py_END_ALLOW_THREADS
+    release(bs);
+    Py_RETURN_TRUE;
+}
+
+/* rms_norm(x, w, out, eps) -> bool: out = x / sqrt(mean(x^2) + eps) * w for x, out float32 [R, K]. */
+PyObject *qm_py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "rms_norm takes 4 arguments");
+        return NULL;
+    }
+    double eps = PyFloat_AsDouble(args[3]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    Buffers bs = {.n = 0};
+    Py_buffer *x, *w, *o;
+    if (!(x = take(&bs, args[0], 0)) || !(w = take(&bs, args[1], 0)) || !(o = take(&bs, args[2], 1))) {
+        release(&bs);
+        return NULL;
+    }
+    if (x->ndim != 2 || !rows_ok(x, x->shape[0], x->shape[1]) || !rows_ok(o, x->shape[0], x->shape[1]) ||
+        w->ndim != 1 || !is_f32(w) || w->shape[0] != x->shape[1] || (w->shape[0] > 1 && w->strides[0] != 4)) {
+        release(&bs);
+        Py_RETURN_FALSE;
+    }
+    OpsTask t = {.x = (const float *)x->buf, .w = (const float *)w->buf, .out = (float *)o->buf,
+                 .x_row = row_stride(x), .out_row = row_stride(o), .rows = (int)x->shape[0], .cols = (int)x->shape[1],
+                 .eps = (float)eps};
+    return run_op(&t, &bs, OPS_PICK(rms_norm), (size_t)t.cols);
+}
+
+/* rope(x, cos, sin, out) -> bool: rotate-half RoPE of x float32 [T, H, hd] (rows at any stride,
+   heads contiguous) into out [T, H, hd] C-contiguous; cos, sin hold T * hd / 2 floats, row-major. */
+PyObject *qm_py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "rope takes 4 arguments");
+        return NULL;
+    }
+    Buffers bs = {.n = 0};
+    Py_buffer *x, *c, *s, *o;
+    if (!(x = take(&bs, args[0], 0)) || !(c = take(&bs, args[1], 0)) || !(s = take(&bs, args[2], 0)) ||
+        !(o = take(&bs, args[3], 1))) {
+        release(&bs);
+        return NULL;
+    }
+    int ok = x->ndim == 3 && o->ndim == 3 && is_f32(x) && is_f32(o) && is_f32(c) && is_f32(s) && c_contiguous(c) &&
+             c_contiguous(s) && c_contiguous(o);
+    if (ok) {
+        Py_ssize_t T = x->shape[0], H = x->shape[1], hd = x->shape[2];
+        ok = hd % 2 == 0 && x->strides[2] == 4 && x->strides[1] == 4 * hd && row_stride(x) >= 0 &&
+             o->shape[0] == T && o->shape[1] == H && o->shape[2] == hd && c->len == T * hd / 2 * 4 && s->len == c->len;
+    }
+    if (!ok) {
+        release(&bs);
+        Py_RETURN_FALSE;
+    }
+    OpsTask t = {.x = (const float *)x->buf, .cos = (const float *)c->buf, .sin = (const float *)s->buf,
+                 .out = (float *)o->buf, .x_row = row_stride(x), .out_row = x->shape[1] * x->shape[2],
+                 .rows = (int)x->shape[0], .heads = (int)x->shape[1], .cols = (int)x->shape[2]};
+    return run_op(&t, &bs, OPS_PICK(rope), (size_t)t.heads * t.cols);
+}
+
+/* silu_mul(gate_up, out) -> bool: out = silu(gate) * up for gate_up float32 [R, 2F], out [R, F]. */
+PyObject *qm_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "silu_mul takes 2 arguments");
+        return NULL;
+    }
+    Buffers bs = {.n = 0};
+    Py_buffer *x, *o;
+    if (!(x = take(&bs, args[0], 0)) || !(o = take(&bs, args[1], 1))) {
+        release(&bs);
+        return NULL;
+    }
+    if (x->ndim != 2 || x->shape[1] % 2 || !rows_ok(x, x->shape[0], x->shape[1]) ||
+        !rows_ok(o, x->shape[0], x->shape[1] / 2)) {
+        release(&bs);
+        Py_RETURN_FALSE;
+    }
+    OpsTask t = {.x = (const float *)x->buf, .out = (float *)o->buf, .x_row = row_stride(x), .out_row = row_stride(o),
+                 .rows = (int)x->shape[0], .cols = (int)x->shape[1] / 2};
+    return run_op(&t, &bs, OPS_PICK(silu_mul), (size_t)t.cols);
+}

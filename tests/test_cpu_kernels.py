@@ -1,0 +1,177 @@
+"""The C ops of the CPU path (decode attention, RMSNorm, RoPE, SiLU gate) against the numba kernel
+and the NumPy code they replace: every code path this CPU runs, one thread and the pool, ragged
+batches whose contexts cross blocks, one row and many; and the fallback when the extension is
+absent or an array's layout is one the C ops do not take."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgeserve.backends import cpu_kernels, qmatmul
+from edgeserve.backends.numpy_backend import NumpyBackend, NumpyMeta
+from edgeserve.batch import random_paged_batch
+
+ext = cpu_kernels.ops
+needs_ext = pytest.mark.skipif(ext is None, reason="the C extension is not built (or EDGESERVE_QMATMUL=numba)")
+
+
+@pytest.fixture(params=["generic", "avx2", "avx512vnni"])
+def isa(request):
+    """Each code path of the extension this CPU can run."""
+    if ext is None:
+        pytest.skip("the C extension is not built (or EDGESERVE_QMATMUL=numba)")
+    try:
+        ext.set_isa(request.param)
+    except ValueError:
+        pytest.skip(f"{request.param} is not available on this CPU")
+    yield request.param
+    ext.set_isa(None)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "pool"])
+def threads(request):
+    """One thread, and two: with one sequence the pool splits each KV head's keys into ranges."""
+    yield qmatmul.set_num_threads(request.param)
+    qmatmul.set_num_threads()
+
+
+@pytest.fixture
+def no_ext(monkeypatch):
+    """The fallback: NumPy ops and the numba attention kernel, as where the extension is absent."""
+    monkeypatch.setattr(cpu_kernels, "ops", None)
+
+
+def attention_case(seed: int, block_size: int, n_kv: int, group: int, head_dim: int, lens: list[int]):
+    """Decode queries, K/V pools, block tables (blocks scattered over the pool) and context lengths."""
+    rng = np.random.default_rng(seed)
+    batch, num_blocks = random_paged_batch(lens, [1] * len(lens), block_size, rng, spare_blocks=3)
+    q = (rng.standard_normal((len(lens), n_kv * group, head_dim)) * 3.0).astype(np.float32)  # peaked softmax
+    k = rng.standard_normal((num_blocks, block_size, n_kv, head_dim)).astype(np.float32)
+    v = rng.standard_normal((num_blocks, block_size, n_kv, head_dim)).astype(np.float32)
+    return q, k, v, batch.block_tables, np.asarray(lens, np.int64)
+
+
+def numba_attention(q, k, v, tables, lens):
+    out = np.empty_like(q)
+    cpu_kernels._decode_attention(np.ascontiguousarray(q), k, v, tables, lens, np.float32(1 / np.sqrt(q.shape[-1])), out)
+    return out
+
+
+LENS = {
+    "one row": [700],
+    "one row, one key": [1],
+    "ragged": [1, 15, 16, 17, 333, 1000, 2],
+    "many rows": [int(n) for n in np.random.default_rng(7).integers(1, 900, 40)],
+}
+
+
+@pytest.mark.parametrize("block_size,n_kv,group,head_dim", [
+    (16, 3, 3, 64), (16, 2, 7, 64), (8, 2, 8, 128), (32, 1, 16, 128), (16, 4, 1, 128), (16, 2, 2, 48), (7, 2, 3, 16),
+])
+@pytest.mark.parametrize("lens", LENS.values(), ids=LENS.keys())
+def test_attention_matches_numba(isa, threads, block_size, n_kv, group, head_dim, lens):
+    q, k, v, tables, ctx = attention_case(block_size + group + head_dim, block_size, n_kv, group, head_dim, lens)
+    out = np.full_like(q, np.nan)
+    assert ext.attention(q, k, v, tables, ctx, out, 1 / np.sqrt(head_dim))
+    np.testing.assert_allclose(out, numba_attention(q, k, v, tables, ctx), atol=2e-5, rtol=0)
+
+
+@needs_ext
+def test_attention_takes_query_rows_at_a_stride():
+    """q as the backend passes it: the query heads of a [T, q + k heads, hd] array."""
+    q, k, v, tables, ctx = attention_case(1, 16, 3, 3, 64, [40, 90, 7])
+    qk = np.concatenate([q, np.ones((3, 3, 64), np.float32)], axis=1)
+    got = cpu_kernels.decode_attention(qk[:, :9], k, v, tables, ctx)
+    np.testing.assert_allclose(got, numba_attention(q, k, v, tables, ctx), atol=2e-5, rtol=0)
+
+
+@needs_ext
+def test_attention_zero_context_gives_zeros_and_bad_tables_raise():
+    q, k, v, tables, ctx = attention_case(2, 16, 2, 2, 64, [5, 20])
+    out = np.full_like(q, np.nan)
+    assert ext.attention(q, k, v, tables, np.array([0, 20]), out, 0.125)
+    assert not out[0].any()
+    tables[1, 1] = len(k)
+    with pytest.raises(ValueError, match="outside the pool"):
+        ext.attention(q, k, v, tables, ctx, out, 0.125)
+    with pytest.raises(ValueError, match="outside the pool"):
+        ext.attention(q, k, v, tables, np.array([5, 16 * tables.shape[1] + 1]), out, 0.125)
+
+
+@needs_ext
+def test_attention_declines_other_layouts():
+    q, k, v, tables, ctx = attention_case(3, 16, 2, 2, 64, [5, 20])
+    out = np.empty_like(q)
+    assert not ext.attention(q.astype(np.float64), k, v, tables, ctx, out, 0.125)
+    assert not ext.attention(q, k, v, tables.astype(np.int32), ctx, out, 0.125)
+    assert not ext.attention(q[:, :, ::2], k[..., ::2], v[..., ::2], tables, ctx, out[:, :, ::2], 0.125)
+    # the wrapper then runs the numba kernel
+    got = cpu_kernels.decode_attention(q, k, v, tables.astype(np.int32), ctx)
+    np.testing.assert_allclose(got, numba_attention(q, k, v, tables, ctx), atol=2e-5, rtol=0)
+
+
+def test_backend_attention_mixed_batch(isa, monkeypatch):
+    """Decode rows and prefill chunks in one step: the C kernel's rows equal the fallback's."""
+    rng = np.random.default_rng(5)
+    contexts, query_lens = [300, 17, 64, 1, 250], [1, 17, 1, 1, 40]
+    batch, num_blocks = random_paged_batch(contexts, query_lens, 16, rng, spare_blocks=2)
+    q = rng.standard_normal((len(batch.positions), 9, 64)).astype(np.float32)
+    k = rng.standard_normal((num_blocks, 16, 3, 64)).astype(np.float32)
+    v = rng.standard_normal((num_blocks, 16, 3, 64)).astype(np.float32)
+    be = NumpyBackend(weights="quantized")
+    rope = (np.ones((400, 32), np.float32), np.zeros((400, 32), np.float32))
+    got = be.paged_attention(q, k, v, be.batch_meta(batch, rope))
+    monkeypatch.setattr(cpu_kernels, "ops", None)
+    want = be.paged_attention(q, k, v, be.batch_meta(batch, rope))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
+def small_meta(cos: np.ndarray, sin: np.ndarray) -> NumpyMeta:
+    empty = np.zeros(0, np.int64)
+    return NumpyMeta(empty, empty, empty, cos, sin, empty, np.zeros((0, 0), np.int64), empty, [])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 300])
+def test_small_ops_match_numpy(isa, threads, rows, monkeypatch):
+    rng = np.random.default_rng(rows)
+    be = NumpyBackend(weights="quantized")
+    x = rng.standard_normal((rows, 576)).astype(np.float32) * 4
+    w = rng.standard_normal(576).astype(np.float32)
+    gate_up = rng.standard_normal((rows, 2 * 1536)).astype(np.float32) * 6
+    gate_up[0, :4] = [-100.0, 100.0, 0.0, -1e-30]  # exp's clamps and the far ends of silu
+    qkv = rng.standard_normal((rows, 15, 64)).astype(np.float32)
+    angles = rng.uniform(0, 100, (rows, 1, 32))
+    meta = small_meta(np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))
+    # the backend passes RoPE the q and k heads of the fused qkv output: rows at a stride
+    got = (be.rms_norm(x, w, 1e-5), be.rms_norm(x[:, :64], w[:64], 1e-5), be.silu_mul(gate_up),
+           be.apply_rope(qkv[:, :12], meta))
+    monkeypatch.setattr(cpu_kernels, "ops", None)
+    with np.errstate(over="ignore"):  # NumPy's exp(100) in silu: inf, and silu 0 as it should be
+        want = (be.rms_norm(x, w, 1e-5), be.rms_norm(x[:, :64], w[:64], 1e-5), be.silu_mul(gate_up),
+                be.apply_rope(qkv[:, :12], meta))
+    for g, e in zip(got, want):
+        assert g.shape == e.shape and g.dtype == np.float32
+        np.testing.assert_allclose(g, e, rtol=2e-6, atol=2e-6)
+
+
+@needs_ext
+def test_small_ops_decline_other_layouts():
+    x = np.ones((2, 8), np.float64)
+    assert cpu_kernels.rms_norm(x, np.ones(8, np.float64), 1e-5) is None
+    assert cpu_kernels.silu_mul(x) is None
+    assert cpu_kernels.apply_rope(np.ones((2, 3, 8), np.float32)[:, :, ::2], np.ones((2, 2), np.float32),
+                                  np.ones((2, 2), np.float32)) is None
+
+
+def test_fallback_when_extension_is_absent(no_ext):
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    assert cpu_kernels.rms_norm(x, np.ones(64, np.float32), 1e-5) is None
+    assert cpu_kernels.silu_mul(x) is None
+    be = NumpyBackend(weights="float32")
+    out = be.rms_norm(x, np.ones(64, np.float32), 1e-5)
+    np.testing.assert_allclose(out, x / np.sqrt((x * x).mean(axis=1, keepdims=True) + 1e-5), rtol=1e-5)
+    q, k, v, tables, ctx = attention_case(4, 16, 3, 3, 64, [1, 100, 900, 17, 40])
+    np.testing.assert_allclose(cpu_kernels.decode_attention(q, k, v, tables, ctx),
+                               numba_attention(q, k, v, tables, ctx), atol=1e-6, rtol=0)
