@@ -1,0 +1,461 @@
+"""Run llama.cpp's own tools and edgeserve on one GGUF in one sitting and print edgeserve / llama.cpp ratios.
+
+Absolute speeds differ between machines, so only ratios measured side by side mean anything:
+
+- single: one stream, `edgeserve bench -w single` vs `llama-bench` tg128 (decode) and pp512 (prefill);
+- batched: aggregate decode of N streams of 128 prompt + 128 generated tokens,
+  `edgeserve bench -w sweep` vs `llama-batched-bench -npp 128 -ntg 128 -npl N`;
+- http: `edgeserve serve` vs `llama-server -np CLIENTS`, the same seeded load of streaming clients
+  from `edgeserve bench --url` against each: aggregate output tokens/s and TTFT p50;
+- bandwidth: a sequential-read probe of this machine's memory, and each engine's decode step as
+  (GGUF bytes read per token) x (single-stream tokens/s), as a share of it.
+
+edgeserve is driven only through its CLI and HTTP API. llama.cpp's binaries come from --llama-cpp
+DIR, $EDGESERVE_LLAMA_CPP, the cache ($EDGESERVE_HOME/llama.cpp, default ~/.cache/edgeserve/llama.cpp)
+or PATH; failing those, they are built into the cache from the llama-cpp-python sdist (needs cmake
+and a C++ compiler; 10-25 minutes on 2 cores).
+
+    python bench/compare_llamacpp.py
+    python bench/compare_llamacpp.py --only single,bandwidth --json
+    python bench/compare_llamacpp.py --streams 16,64 --http-requests 32 --llama-cpp ~/src/llama.cpp/build/bin
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+import httpx
+import numpy as np
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Column, Table
+
+from edgeserve.models.catalog import DEFAULT_MODEL, home, pull
+
+# llama-cpp-python's sdist vendors a llama.cpp that builds on Linux and macOS with plain cmake.
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+SDIST_DIR = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
+ENV_VAR = "EDGESERVE_LLAMA_CPP"
+PARTS = ("single", "batched", "http", "bandwidth")
+# edgeserve's sweep and llama-batched-bench both run streams of this many prompt and generated tokens.
+SWEEP_PROMPT, SWEEP_OUTPUT = 128, 128
+EDGESERVE = [sys.executable, "-m", "edgeserve.cli"]  # the CLI of the interpreter running this script
+
+console = Console(stderr=True)
+
+
+class ToolError(RuntimeError):
+    """A benchmark tool or server failed; the message carries the tail of its output."""
+
+
+def all_cores() -> int:
+    """Cores this process may run on (the affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# ---- finding or building llama.cpp ----------------------------------------------------------------
+
+def cache_dir() -> Path:
+    return home() / "llama.cpp"
+
+
+def tool_dir(candidate: Path) -> Path | None:
+    """The folder holding all three tools: the candidate itself, its bin/ or its build/bin/."""
+    for d in (candidate, candidate / "bin", candidate / "build" / "bin"):
+        if all(os.access(d / t, os.X_OK) for t in TOOLS):
+            return d
+    return None
+
+
+def cached_source() -> Path:
+    """Where the sdist's llama.cpp is unpacked in the cache."""
+    return cache_dir() / SDIST_DIR / "vendor" / "llama.cpp"
+
+
+def find_llama_cpp(explicit: Path | None) -> Path | None:
+    """--llama-cpp, then $EDGESERVE_LLAMA_CPP (both must hold the tools), then the cache, then PATH."""
+    for given, origin in ((explicit, "--llama-cpp"), (os.environ.get(ENV_VAR), f"${ENV_VAR}")):
+        if given:
+            found = tool_dir(Path(given).expanduser())
+            if found is None:
+                raise click.UsageError(f"{origin} {given}: no {', '.join(TOOLS)} there (nor in bin/, build/bin/)")
+            return found
+    on_path = shutil.which(TOOLS[0])
+    for candidate in (cached_source() / "build" / "bin", Path(on_path).parent if on_path else None):
+        if candidate and (found := tool_dir(candidate)):
+            return found
+    return None
+
+
+def build_llama_cpp(progress: Progress) -> Path:
+    """Download the llama-cpp-python sdist into the cache, unpack it, and build the three tools with cmake."""
+    if shutil.which("cmake") is None:
+        raise ToolError("building llama.cpp needs cmake (`pip install cmake` works) and a C++ compiler")
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    source = cached_source()
+    task = progress.add_task("llama.cpp: download sdist", total=100, detail="")
+    if not source.is_dir():
+        # Only this package from source: its build requirements (cmake among them) may come as wheels.
+        run_tool([sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps",
+                  f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(root)], progress, task)
+        progress.update(task, description="llama.cpp: unpack")
+        # Unpacked aside and moved in whole, so an interrupted unpack never looks like a source tree.
+        with tempfile.TemporaryDirectory(dir=root) as tmp, tarfile.open(root / f"{SDIST_DIR}.tar.gz") as tar:
+            tar.extractall(tmp, filter="data")
+            (Path(tmp) / SDIST_DIR).rename(root / SDIST_DIR)
+    progress.update(task, description="llama.cpp: cmake configure")
+    run_tool(["cmake", "-S", str(source), "-B", str(source / "build"), "-DCMAKE_BUILD_TYPE=Release",
+              "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"], progress, task)
+    progress.update(task, description="llama.cpp: build")
+    run_tool(["cmake", "--build", str(source / "build"), "-j", str(all_cores()), "--target", *TOOLS],
+             progress, task, percent=re.compile(r"^\[\s*(\d+)%\]"))
+    progress.update(task, completed=100)
+    found = tool_dir(source / "build")
+    if found is None:
+        raise ToolError(f"the build finished but {', '.join(TOOLS)} are not in {source / 'build' / 'bin'}")
+    return found
+
+
+# ---- running tools with visible progress ----------------------------------------------------------
+
+def run_tool(cmd: list[str], progress: Progress, task: TaskID, percent: re.Pattern | None = None) -> str:
+    """Run a command to the end, showing its latest stderr line live; return its stdout.
+
+    With `percent`, stdout joins the live lines (cmake's build reports its progress there) and lines
+    matching it set the task's completion; nothing is returned then.
+    """
+    tail: deque[str] = deque(maxlen=30)
+    with tempfile.TemporaryFile() as out:
+        if percent:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        else:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE)
+        live = proc.stdout if percent else proc.stderr
+        pending = b""
+        # tqdm redraws with \r, so split on both line ends to follow the bars of edgeserve's own commands.
+        for chunk in iter(lambda: live.read1(8192), b""):
+            *lines, pending = re.split(rb"[\r\n]", pending + chunk)
+            for line in filter(None, (raw.decode(errors="replace").strip() for raw in lines)):
+                tail.append(line)
+                progress.update(task, detail=escape(line[:max(10, progress.console.width - 62)]))
+                if percent and (m := percent.match(line)):
+                    progress.update(task, completed=int(m.group(1)))
+        if proc.wait():
+            raise ToolError(f"{' '.join(cmd[:4])} ... exited with {proc.returncode}:\n" + "\n".join(tail))
+        out.seek(0)
+        return out.read().decode(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def server(cmd: list[str], url: str, progress: Progress, task: TaskID, timeout: float = 600.0) -> Iterator[str]:
+    """Start a server, wait until /health answers 200, yield the model id it serves, and stop it."""
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise ToolError(f"{Path(cmd[0]).name} exited with {proc.returncode} before it was ready:\n"
+                                    + log.read().decode(errors="replace")[-3000:])
+                if time.monotonic() > deadline:
+                    raise ToolError(f"{url}/health did not answer 200 within {timeout:.0f}s")
+                try:
+                    # llama-server answers 503 while it loads the model; edgeserve does not listen until loaded.
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+            progress.update(task, detail="ready")
+            yield httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# ---- the measurements ------------------------------------------------------------------------------
+
+class Bench:
+    """One sitting: the GGUF, the tools, the settings, and the figures gathered so far."""
+
+    def __init__(self, gguf: Path, bin_dir: Path, threads: int, weights: str, kv_memory: str,
+                 progress: Progress) -> None:
+        self.gguf, self.bin, self.threads = gguf, bin_dir, threads
+        self.weights, self.kv_memory, self.progress = weights, kv_memory, progress
+        self.results: dict[str, Any] = {}
+
+    def edgeserve_args(self) -> list[str]:
+        """Model options shared by `edgeserve bench` and `edgeserve serve`: the CPU backend on the same file."""
+        return ["-m", str(self.gguf), "--backend", "numpy", "--weights", self.weights, "--kv-memory", self.kv_memory]
+
+    def llama_args(self) -> list[str]:
+        # -ngl 0 keeps llama.cpp on the CPU where it was built with Metal or CUDA, like NumPy's backend.
+        return ["-m", str(self.gguf), "-t", str(self.threads), "-ngl", "0"]
+
+    def edgeserve_bench(self, task: TaskID, *args: str) -> dict:
+        return json.loads(run_tool([*EDGESERVE, "bench", *self.edgeserve_args(), "--json", *args], self.progress, task))
+
+    def single(self, repetitions: int) -> None:
+        """One stream: decode (tg128) and 512-token prefill (pp512)."""
+        # tg128 decodes from an empty context while edgeserve's single stream decodes after its 512-token
+        # prompt, so the KV reads favour llama.cpp a little; the issue's goal is stated against tg128.
+        task = self.progress.add_task("single: llama-bench pp512 + tg128", total=None, detail="")
+        runs = json.loads(run_tool([str(self.bin / "llama-bench"), *self.llama_args(), "-p", "512", "-n", "128",
+                                    "-r", str(repetitions), "-o", "json"], self.progress, task))
+        pp = next(r for r in runs if r["n_prompt"] == 512 and r["n_gen"] == 0)
+        tg = next(r for r in runs if r["n_prompt"] == 0 and r["n_gen"] == 128)
+        self.results["llama_cpp_build"] = {"commit": tg.get("build_commit"), "number": tg.get("build_number"),
+                                           "cpu": tg.get("cpu_info"), "bin": str(self.bin)}
+        self.progress.update(task, description="single: edgeserve bench -w single")
+        ours = self.edgeserve_bench(task, "-w", "single")["single"]
+        self.results["single"] = {
+            "edgeserve": ours,
+            "llama_cpp": {"pp512_tokens_per_s": round(pp["avg_ts"], 2), "pp512_stddev": round(pp["stddev_ts"], 2),
+                          "tg128_tokens_per_s": round(tg["avg_ts"], 2), "tg128_stddev": round(tg["stddev_ts"], 2)},
+        }
+        self.progress.update(task, total=1, completed=1, detail="")
+
+    def batched(self, streams: list[int]) -> None:
+        """Aggregate decode of N streams of 128 + 128 tokens; end-to-end output tokens/s beside it."""
+        label = f"batched: llama-batched-bench -npl {','.join(map(str, streams))}"
+        task = self.progress.add_task(label, total=None, detail="")
+        # batched-bench silently skips a batch whose streams do not all fit in -c.
+        ctx = max(streams) * (SWEEP_PROMPT + SWEEP_OUTPUT)
+        out = run_tool([str(self.bin / "llama-batched-bench"), *self.llama_args(), "-tb", str(self.threads),
+                        "-c", str(ctx), "-npp", str(SWEEP_PROMPT), "-ntg", str(SWEEP_OUTPUT),
+                        "-npl", ",".join(map(str, streams)), "--output-format", "jsonl"], self.progress, task)
+        theirs = {r["pl"]: r for r in map(json.loads, re.findall(r'^\{"n_kv_max".*\}$', out, re.M))}
+        # The sweep's stream counts are fixed in edgeserve (1/4/8/16/32/64); it cannot be asked for others.
+        self.progress.update(task, description="batched: edgeserve bench -w sweep")
+        ours = {r["streams"]: r for r in self.edgeserve_bench(task, "-w", "sweep")["sweep"]}
+        rows = []
+        for n in streams:
+            ll, es = theirs.get(n), ours.get(n)
+            rows.append({
+                "streams": n,
+                "edgeserve_decode_tokens_per_s": es and es["decode_tokens_per_s"],
+                "llama_cpp_decode_tokens_per_s": ll and round(ll["speed_tg"], 2),
+                "edgeserve_output_tokens_per_s": es and es["output_tokens_per_s"],
+                # batched-bench's own S counts prompt tokens too; this counts generated ones, as ours does.
+                "llama_cpp_output_tokens_per_s": ll and round(n * SWEEP_OUTPUT / ll["t"], 2),
+            })
+        self.results["batched"] = rows
+        self.progress.update(task, total=1, completed=1, detail="")
+
+    def http(self, clients: int, requests: int) -> None:
+        """The same load of streaming clients against llama-server and edgeserve serve, one after the other."""
+        task = self.progress.add_task("http", total=None, detail="")
+        # llama-server refuses connections beyond its HTTP threads: one per client, plus room for /health.
+        # Each of its slots gets -c / -np tokens; the load's prompts (<= 256) and outputs (<= 128) fit 1024.
+        servers = {
+            "llama_cpp": lambda port: [str(self.bin / "llama-server"), *self.llama_args(), "-tb", str(self.threads),
+                                       "-np", str(clients), "-c", str(clients * 1024),
+                                       "--threads-http", str(clients + 4), "--host", "127.0.0.1", "--port", str(port)],
+            "edgeserve": lambda port: [*EDGESERVE, "serve", *self.edgeserve_args(), "--port", str(port)],
+        }
+        self.results["http"] = {}
+        for name, command in servers.items():
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            label = "llama-server" if name == "llama_cpp" else "edgeserve serve"
+            self.progress.update(task, description=f"http: {label} + {clients} clients", detail="starting")
+            with server(command(port), url, self.progress, task) as model_id:
+                figures = self.edgeserve_bench(task, "--url", url, "--served-model", model_id, "--concurrency",
+                                               str(clients), "--requests", str(requests))["http"]
+            if figures["output_tokens"] < figures["requested_output_tokens"]:
+                self.progress.console.print(f"[yellow]{name} generated {figures['output_tokens']} of "
+                                            f"{figures['requested_output_tokens']} requested tokens (stopped early)")
+            self.results["http"][name] = figures
+        self.progress.update(task, total=1, completed=1, detail="")
+
+    def bandwidth(self, size: int, repeats: int) -> None:
+        """Best sequential read of an in-memory array, on one thread and on all; decode's share of it."""
+        task = self.progress.add_task(f"bandwidth: sum a {size / 2**30:g} GiB array", total=None, detail="")
+        data = np.ones(size // 8)  # written once, so every page is resident before timing
+        probes = {}
+        for threads in sorted({1, self.threads}):
+            chunks = np.array_split(data, threads)
+            best = float("inf")
+            # NumPy's reductions release the GIL, so threads read their chunks in parallel.
+            with ThreadPoolExecutor(threads) as pool:
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    list(pool.map(np.sum, chunks))
+                    best = min(best, time.perf_counter() - start)
+            probes[f"read_GBps_{threads}_threads"] = round(data.nbytes / best / 1e9, 2)
+        del data
+        probe = max(probes.values())
+        entry: dict[str, Any] = {**probes, "read_GBps": probe, "probe_bytes": size,
+                                 "weight_bytes_per_token": self.gguf.stat().st_size}
+        if single := self.results.get("single"):
+            per_token = self.gguf.stat().st_size / 1e9
+            ours = per_token * single["edgeserve"]["decode_tokens_per_s"]
+            theirs = per_token * single["llama_cpp"]["tg128_tokens_per_s"]
+            entry |= {"edgeserve_decode_GBps": round(ours, 2), "llama_cpp_decode_GBps": round(theirs, 2),
+                      "edgeserve_share": round(ours / probe, 3), "llama_cpp_share": round(theirs / probe, 3)}
+        self.results["bandwidth"] = entry
+        self.progress.update(task, total=1, completed=1, detail="")
+
+
+# ---- the report ------------------------------------------------------------------------------------
+
+def ratio(ours: float | None, theirs: float | None) -> float | None:
+    return round(ours / theirs, 2) if ours and theirs else None
+
+
+def table_rows(results: dict) -> list[dict]:
+    """One row per figure: edgeserve, llama.cpp, edgeserve / llama.cpp, and issue 12's goal for it."""
+    rows = []
+
+    def add(figure: str, ours: float | None, theirs: float | None, goal: str = "") -> None:
+        rows.append({"figure": figure, "edgeserve": ours, "llama_cpp": theirs, "ratio": ratio(ours, theirs),
+                     "goal": goal})
+
+    if single := results.get("single"):
+        es, ll = single["edgeserve"], single["llama_cpp"]
+        add("decode tok/s, 1 stream", es["decode_tokens_per_s"], ll["tg128_tokens_per_s"], ">= 1.0")
+        add("prefill tok/s, 512", es["prefill_tokens_per_s"], ll["pp512_tokens_per_s"], ">= 1.0")
+    for r in results.get("batched", []):
+        goal = {16: ">= 1.5", 64: ">= 2.0"}.get(r["streams"], "")
+        add(f"decode tok/s, {r['streams']} stream" + "s" * (r["streams"] > 1), r["edgeserve_decode_tokens_per_s"],
+            r["llama_cpp_decode_tokens_per_s"], goal)
+    for r in results.get("batched", []):
+        add(f"whole out tok/s, {r['streams']} str.", r["edgeserve_output_tokens_per_s"],
+            r["llama_cpp_output_tokens_per_s"])
+    if (http := results.get("http")) and len(http) == 2:
+        es, ll = http["edgeserve"], http["llama_cpp"]
+        add(f"HTTP out tok/s, {es['concurrency']} cl.", es["output_tokens_per_s"], ll["output_tokens_per_s"],
+            ">= 1.5")
+        add("HTTP TTFT p50 s", es["ttft_p50_s"], ll["ttft_p50_s"], "<= 1.0")
+        add("HTTP TPOT p50 s", es["tpot_p50_s"], ll["tpot_p50_s"])
+    if (bw := results.get("bandwidth")) and "edgeserve_share" in bw:
+        add("decode GB/s", bw["edgeserve_decode_GBps"], bw["llama_cpp_decode_GBps"])
+        # This goal is edgeserve's own share of the probe, not a ratio.
+        add("decode / read probe", bw["edgeserve_share"], bw["llama_cpp_share"], "es >= 0.7")
+    return rows
+
+
+def print_table(results: dict) -> None:
+    table = Table(title=f"{Path(results['model']).name}, {results['threads']} threads", box=box.SIMPLE_HEAD,
+                  caption="ratio = edgeserve / llama.cpp. llama.cpp: llama-bench tg128 and pp512, "
+                          "llama-batched-bench 128+128 per stream, llama-server. 'whole': output tokens over "
+                          "prefill and decode time.")
+    table.add_column("figure", no_wrap=True)
+    for column in ("edgeserve", "llama.cpp", "ratio"):
+        table.add_column(column, justify="right")
+    table.add_column("goal")
+    for r in results["rows"]:
+        shown = ["—" if r[k] is None else str(r[k]) for k in ("edgeserve", "llama_cpp", "ratio")]
+        table.add_row(r["figure"], *shown, r["goal"])
+    console.print(table)
+    if bw := results.get("bandwidth"):
+        console.print(f"read probe: {bw['read_GBps']} GB/s, best of 1 and {results['threads']} threads summing "
+                      f"{bw['probe_bytes'] / 2**30:g} GiB; decode GB/s = GGUF size "
+                      f"({bw['weight_bytes_per_token'] / 1e6:.1f} MB) x single-stream decode tok/s")
+    if build := results.get("llama_cpp_build"):
+        console.print(f"llama.cpp build {build['number']} ({build['commit']}) on {build['cpu']}: {build['bin']}")
+
+
+def parse_list(text: str) -> list[int]:
+    return sorted({int(x) for x in text.split(",") if x.strip()})
+
+
+@click.command()
+@click.option("--model", "-m", "model_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help=f"GGUF file [default: the catalog's {DEFAULT_MODEL}, pulled if missing]")
+@click.option("--llama-cpp", "llama_cpp", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=None, help=f"Folder with {', '.join(TOOLS)} (or its bin/, build/bin/) [default: "
+                                 f"${ENV_VAR}, the cache, PATH, else build into the cache]")
+@click.option("--only", default=",".join(PARTS), show_default=True,
+              help="Parts to run, comma-separated; bandwidth needs single's decode figures, so it runs single too.")
+@click.option("--streams", default="1,4,8,16,32,64", show_default=True, help="Stream counts for batched.")
+@click.option("--http-clients", default=16, show_default=True, help="Concurrent streaming clients for http.")
+@click.option("--http-requests", default=64, show_default=True, help="Requests in the http load.")
+@click.option("--threads", "-t", default=all_cores(), show_default=True,
+              help="Threads for llama.cpp and the read probe (edgeserve sizes its own).")
+@click.option("--repetitions", "-r", default=5, show_default=True, help="llama-bench repetitions per test.")
+@click.option("--weights", default="auto", show_default=True, help="edgeserve --weights (NumPy backend).")
+@click.option("--kv-memory", default="1GiB", show_default=True, help="edgeserve KV pool (64 x 256 tokens fit 1GiB).")
+@click.option("--probe-size", default=1 << 30, show_default=True, help="Bytes summed by the bandwidth probe.")
+@click.option("--json", "as_json", is_flag=True, help="Print every figure as JSON on stdout.")
+def main(model_path: Path | None, llama_cpp: Path | None, only: str, streams: str, http_clients: int,
+         http_requests: int, threads: int, repetitions: int, weights: str, kv_memory: str, probe_size: int,
+         as_json: bool) -> None:
+    """Benchmark edgeserve against llama.cpp's own tools on the same GGUF, same machine, same sitting."""
+    parts = {p.strip() for p in only.split(",") if p.strip()}
+    if unknown := parts - set(PARTS):
+        raise click.UsageError(f"--only: unknown {', '.join(sorted(unknown))} (choose from {', '.join(PARTS)})")
+    if "bandwidth" in parts:
+        parts.add("single")
+    gguf = (model_path or pull(DEFAULT_MODEL)).resolve()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > 0.5:
+        console.print(f"[yellow]load average {load:.1f} on {all_cores()} cores before starting: "
+                      "other work running now makes every figure noisy (llama.cpp's spinning threads suffer most)")
+    failures = []
+    # The description keeps its width; the tool's latest line gets what is left of the terminal (run_tool).
+    with Progress(SpinnerColumn(), TextColumn("{task.description}", table_column=Column(no_wrap=True, min_width=36)),
+                  BarColumn(bar_width=12), TimeElapsedColumn(),
+                  TextColumn("[dim]{task.fields[detail]}", table_column=Column(no_wrap=True)),
+                  console=console) as progress:
+        try:
+            bin_dir = find_llama_cpp(llama_cpp) or build_llama_cpp(progress)
+        except ToolError as exc:
+            raise click.ClickException(f"no llama.cpp tools: {exc}") from exc
+        progress.console.print(f"llama.cpp tools: {bin_dir}")
+        bench = Bench(gguf, bin_dir, threads, weights, kv_memory, progress)
+        steps = {
+            "single": lambda: bench.single(repetitions),
+            "batched": lambda: bench.batched(parse_list(streams)),
+            "http": lambda: bench.http(http_clients, http_requests),
+            "bandwidth": lambda: bench.bandwidth(probe_size, repeats=5),
+        }
+        for part in PARTS:  # single before bandwidth, which uses its figures
+            if part in parts:
+                try:
+                    steps[part]()
+                except ToolError as exc:
+                    failures.append(part)
+                    progress.console.print(f"[red]{part} failed:[/] {escape(str(exc))}")
+    results = {"model": str(gguf), "threads": threads, "weights": weights, **bench.results}
+    results["rows"] = table_rows(results)
+    print_table(results)
+    if as_json:
+        click.echo(json.dumps(results, indent=1))
+    if failures:
+        raise SystemExit(f"failed: {', '.join(failures)}")
+
+
+if __name__ == "__main__":
+    main()
