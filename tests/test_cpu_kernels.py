@@ -1,4 +1,4 @@
-"""The C ops of the CPU path (decode attention, RMSNorm, RoPE, SiLU gate) against the numba kernel
+"""The C ops of the CPU path (decode attention, RMSNorm, RoPE, SiLU gate, KV writes) against the numba kernel
 and the NumPy code they replace: every code path this CPU runs, one thread and the pool, ragged
 batches whose contexts cross blocks, one row and many; and the fallback when the extension is
 absent or an array's layout is one the C ops do not take."""
@@ -164,11 +164,32 @@ def test_small_ops_decline_other_layouts():
                                   np.ones((2, 2), np.float32)) is None
 
 
+@pytest.mark.parametrize("rows", [1, 300])
+def test_write_kv_matches_numpy(monkeypatch, rows):
+    rng = np.random.default_rng(rows)
+    be = NumpyBackend(weights="quantized")
+    qkv = rng.standard_normal((rows, 15, 64)).astype(np.float32)
+    meta = small_meta(np.zeros(0, np.float32), np.zeros(0, np.float32))
+    meta.slot_mapping = rng.permutation(40 * 16)[:rows]
+    got = be.write_kv(np.zeros((40, 16, 3, 64), np.float32), qkv[:, 9:12], meta)  # the k heads: rows at a stride
+    monkeypatch.setattr(cpu_kernels, "ops", None)
+    np.testing.assert_array_equal(got, be.write_kv(np.zeros((40, 16, 3, 64), np.float32), qkv[:, 9:12], meta))
+
+
+@needs_ext
+def test_write_kv_declines_slots_outside_the_pool():
+    cache = np.zeros((2, 4, 1, 8), np.float32)
+    assert not cpu_kernels.write_kv(cache, np.ones((1, 1, 8), np.float32), np.array([8]))
+    assert not cpu_kernels.write_kv(cache, np.ones((1, 1, 8), np.float32), np.array([-1]))
+    assert not cache.any()
+
+
 def test_fallback_when_extension_is_absent(no_ext):
     rng = np.random.default_rng(9)
     x = rng.standard_normal((2, 64)).astype(np.float32)
     assert cpu_kernels.rms_norm(x, np.ones(64, np.float32), 1e-5) is None
     assert cpu_kernels.silu_mul(x) is None
+    assert not cpu_kernels.write_kv(np.zeros((1, 4, 1, 64), np.float32), x[:, None], np.array([0, 1]))
     be = NumpyBackend(weights="float32")
     out = be.rms_norm(x, np.ones(64, np.float32), 1e-5)
     np.testing.assert_allclose(out, x / np.sqrt((x * x).mean(axis=1, keepdims=True) + 1e-5), rtol=1e-5)

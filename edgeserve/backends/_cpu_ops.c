@@ -1,5 +1,5 @@
 /* Fused CPU ops of a decoder block for edgeserve's NumPy backend: decode attention straight from
-the paged KV pool, RMSNorm, rotate-half RoPE and SiLU-gated multiply.
+the paged KV pool, RMSNorm, rotate-half RoPE, SiLU-gated multiply and the KV pool's row writes.
 
 Each Python entry point returns False, having done nothing, when its arrays have a layout it does
 not take (dtype, strides, sizes), so the caller falls back to NumPy or numba instead of failing.
@@ -696,4 +696,37 @@ PyObject *qm_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     OpsTask t = {.x = (const float *)x->buf, .out = (float *)o->buf, .x_row = row_stride(x), .out_row = row_stride(o),
                  .rows = (int)x->shape[0], .cols = (int)x->shape[1] / 2};
     return run_op(&t, &bs, OPS_PICK(silu_mul), (size_t)t.cols);
+}
+
+/* write_kv(cache, values, slots) -> bool: cache rows `slots` (of its [blocks * block_size] rows
+   [n_kv, hd]) = values float32 [T, n_kv, hd] (rows at any stride); slots int64 [T]. Small copies
+   (a row per decode step): the GIL stays held. */
+PyObject *qm_py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "write_kv takes 3 arguments");
+        return NULL;
+    }
+    Buffers bs = {.n = 0};
+    Py_buffer *c, *x, *sl;
+    if (!(c = take(&bs, args[0], 1)) || !(x = take(&bs, args[1], 0)) || !(sl = take(&bs, args[2], 0))) {
+        release(&bs);
+        return NULL;
+    }
+    int ok = c->ndim == 4 && x->ndim == 3 && sl->ndim == 1 && is_f32(c) && is_f32(x) && is_i64(sl) && c_contiguous(c) &&
+             c_contiguous(sl) && x->shape[0] == sl->shape[0] && x->shape[1] == c->shape[2] && x->shape[2] == c->shape[3] &&
+             x->strides[2] == 4 && x->strides[1] == 4 * x->shape[2] && row_stride(x) >= 0;
+    const int64_t *slots = (const int64_t *)sl->buf;
+    const Py_ssize_t rows = ok ? c->shape[0] * c->shape[1] : 0;
+    for (Py_ssize_t i = 0; ok && i < sl->shape[0]; i++) ok = slots[i] >= 0 && slots[i] < rows;
+    if (!ok) {
+        release(&bs);
+        Py_RETURN_FALSE;
+    }
+    const size_t row = (size_t)(x->shape[1] * x->shape[2]);
+    const Py_ssize_t xr = row_stride(x);
+    for (Py_ssize_t i = 0; i < sl->shape[0]; i++)
+        memcpy((float *)c->buf + (size_t)slots[i] * row, (const float *)x->buf + (size_t)i * xr, row * sizeof(float));
+    release(&bs);
+    Py_RETURN_TRUE;
 }

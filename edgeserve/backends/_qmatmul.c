@@ -651,6 +651,7 @@ static PyMethodDef methods[] = {
     {"rms_norm", (PyCFunction)(void (*)(void))qm_py_rms_norm, METH_FASTCALL, "rms_norm(x, w, out, eps) -> whether it ran"},
     {"rope", (PyCFunction)(void (*)(void))qm_py_rope, METH_FASTCALL, "rope(x, cos, sin, out) -> whether it ran"},
     {"silu_mul", (PyCFunction)(void (*)(void))qm_py_silu_mul, METH_FASTCALL, "silu_mul(gate_up, out) -> whether it ran"},
+    {"write_kv", (PyCFunction)(void (*)(void))qm_py_write_kv, METH_FASTCALL, "write_kv(cache, values, slots) -> whether it ran"},
     {"set_isa", py_set_isa, METH_O, "Pick a code path by name, or None for the best one; returns its name."},
     {"isa", py_isa, METH_NOARGS, "The code path in use."},
     {NULL, NULL, 0, NULL},

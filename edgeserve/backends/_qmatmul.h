@@ -31,5 +31,6 @@ PyObject *qm_py_attention(PyObject *self, PyObject *const *args, Py_ssize_t narg
 PyObject *qm_py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *qm_py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *qm_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *qm_py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

@@ -93,6 +93,11 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray | None:
     return out if ops.silu_mul(gate_up, out) else None
 
 
+def write_kv(cache: np.ndarray, values: np.ndarray, slots: np.ndarray) -> bool:
+    """Rows `slots` of a K or V pool [blocks, block_size, n_kv, head_dim] = values by the C op; whether it ran."""
+    return ops is not None and ops.write_kv(cache, values, slots)
+
+
 def compile_now() -> None:
     """Compile the numba kernel (or load it from its cache) now where it is in use, so that no decode step waits."""
     pool = np.zeros((1, 1, 1, 1), np.float32)

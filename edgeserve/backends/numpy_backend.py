@@ -217,7 +217,8 @@ class NumpyBackend:
         return np.zeros((num_blocks, block_size, n_kv_heads, head_dim), dtype=self.kv_dtype)
 
     def write_kv(self, cache: np.ndarray, values: np.ndarray, meta: NumpyMeta) -> np.ndarray:
-        cache.reshape(-1, *cache.shape[2:])[meta.slot_mapping] = values
+        if not cpu_kernels.write_kv(cache, values, meta.slot_mapping):
+            cache.reshape(-1, *cache.shape[2:])[meta.slot_mapping] = values
         return cache
 
     def copy_blocks(self, cache: np.ndarray, pairs: list[tuple[int, int]]) -> np.ndarray:
