@@ -94,7 +94,6 @@ def main() -> None:
             tq = timed(lambda: qm.qmatmul(x, m, out, impl=impl))
             tb = timed(lambda: np.matmul(x, wt, out=out))
             print(f"{mat:8} {f'{n}x{k}':>12} {r:4d} {tq:11.1f} {tb:12.1f} {tb / tq:8.2f}x {m.nbytes / tq / 1e3:7.1f}")
-        del wt
 
     # a decode step's weight pass: every layer's own matrices, so reads come from memory
     layers = [[qm.prepare([random_tensor(rng, n, k, bits)]) for n, k, bits in list(SHAPES.values())[:4]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 
@@ -17,7 +18,7 @@ from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.loader import load_model
 
 WORKLOADS = ("single", "mixed", "sweep", "prefix", "all")
-SWEEP = (1, 4, 8, 16, 32, 64)
+SWEEP = "1,4,8,16,32,64"
 
 
 def _print_table(title: str, runs: list[dict]) -> None:
@@ -39,14 +40,16 @@ def _print_table(title: str, runs: list[dict]) -> None:
 @click.option("--max-batch", default=16, show_default=True, help="Max running sequences (both batching modes).")
 @click.option("--requests", "num_requests", default=64, show_default=True, help="Requests in the mixed workload.")
 @click.option("--max-output", default=512, show_default=True, help="Longest output in the mixed workload.")
+@click.option("--streams", default=SWEEP, show_default=True,
+              help="Concurrent stream counts of the sweep, comma-separated.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--url", default=None, help="Benchmark this OpenAI-compatible server instead of the in-process engine.")
 @click.option("--concurrency", default=16, show_default=True, help="Concurrent clients with --url.")
 @click.option("--api-key", default=None, help="API key for --url.")
 @click.option("--served-model", default=None, help="Model name to send with --url (default: the server's first).")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON on stdout.")
-def bench_cmd(model: str, backend: str, weights: str, kv_memory: str, workload: str, max_batch: int,
-              num_requests: int, max_output: int, seed: int, url: str | None, concurrency: int, api_key: str | None,
+def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
+              num_requests: int, max_output: int, streams: str, seed: int, url: str | None, concurrency: int, api_key: str | None,
               served_model: str | None, as_json: bool) -> None:
     """Measure throughput, TTFT, time per output token, KV use and prefix-cache hits."""
     loaded = load_model(model)
@@ -62,9 +65,10 @@ def bench_cmd(model: str, backend: str, weights: str, kv_memory: str, workload: 
         return
 
     # each workload on a fresh engine, so none starts with another's prefix cache
-    config = EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory, max_num_seqs=max_batch)
-    results["backend"] = LLMEngine(loaded, config).backend.name
-    print(f"{loaded.source.name} on {results['backend']}", file=sys.stderr)
+    config = dataclasses.replace(config, max_num_seqs=max_batch)
+    backend = LLMEngine(loaded, config).backend
+    results["backend"], results["runs_on"] = backend.name, backend.describe()
+    print(f"{loaded.source.name} on {results['runs_on']}", file=sys.stderr)
     if workload in ("single", "all"):
         req = workloads.uniform_workload(tok, 1, 512, 128, seed)
         r = workloads.run_engine(LLMEngine(loaded, config), req, "single stream").summary()
@@ -78,7 +82,7 @@ def bench_cmd(model: str, backend: str, weights: str, kv_memory: str, workload: 
         results["mixed"] = {"continuous": cont, "static": static, "continuous_over_static": ratio}
     if workload in ("sweep", "all"):
         rows = []
-        for n in SWEEP:
+        for n in _stream_counts(streams):
             requests = workloads.uniform_workload(tok, n, 128, 128, seed)
             e = LLMEngine(loaded, config, max_num_seqs=max(n, max_batch), max_num_batched_tokens=max(512, n))
             r = workloads.run_engine(e, requests, f"{n} streams").summary()
@@ -89,6 +93,16 @@ def bench_cmd(model: str, backend: str, weights: str, kv_memory: str, workload: 
         requests = workloads.shared_prefix_workload(tok, 16, 1500, seed=seed)
         results["prefix"] = workloads.run_shared_prefix(LLMEngine(loaded, config), requests)
     _emit(results, as_json)
+
+
+def _stream_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of stream counts", param_hint="--streams")
+    return counts
 
 
 def _emit(results: dict, as_json: bool) -> None:

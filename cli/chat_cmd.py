@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import sys
 import uuid
@@ -195,12 +196,11 @@ class ChatRepl:
 @click.option("--max-tokens", "-n", default=1024, show_default=True, help="Most tokens per answer.")
 @click.option("--context", type=click.IntRange(min=16), default=None,
               help="Limit the context to this many tokens (default: the model's).")
-def chat(model: str, backend: str, weights: str, kv_memory: str, system: str | None, temperature: float,
+def chat(model: str, config: EngineConfig, system: str | None, temperature: float,
          max_tokens: int, context: int | None) -> None:
     """Talk with a model in the terminal; the answer streams as it is generated."""
     conversation = Conversation(system=system, settings={"temperature": temperature, "max_tokens": max_tokens})
-    engine = build_engine(model, EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory,
-                                              max_model_len=context))
+    engine = build_engine(model, dataclasses.replace(config, max_model_len=context))
     aengine = AsyncEngine(engine)
     try:
         asyncio.run(ChatRepl(EngineClient(aengine), conversation).run())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -59,12 +58,12 @@ def eval_group() -> None:
               default=None, help=f"UTF-8 text file  [default: {SHIPPED_TEXT_TITLE}]")
 @click.option("--ctx", type=click.IntRange(min=2), default=512, show_default=True,
               help="Window length in tokens (windows overlap by half).")
-def perplexity_cmd(text_path: Path | None, ctx: int, **model_opts: Any) -> None:
+def perplexity_cmd(model: str, config: EngineConfig, text_path: Path | None, ctx: int) -> None:
     """Perplexity of a model on a text, over sliding windows."""
     try:
         text = (text_path or SHIPPED_TEXT).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise EdgeserveError(f"{text_path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
-    engine = build_engine(model_opts.pop("model"), EngineConfig(**model_opts))
+    engine = build_engine(model, config)
     result = text_perplexity(engine, text, ctx)
     click.echo(f"{result.describe()} on {text_path or SHIPPED_TEXT_TITLE}")

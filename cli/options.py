@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 
@@ -14,13 +15,23 @@ from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.models.loader import load_model
 
 
-def model_options(f: Callable) -> Callable:
-    """--model, --backend, --weights, --kv-memory."""
+def model_options(run: Callable) -> Callable:
+    """--model, and the engine's --backend, --weights, --kv-memory and --threads, which reach the
+    command as one EngineConfig argument `config`."""
+
+    @functools.wraps(run)
+    def command(*args: object, backend: str, weights: str, kv_memory: str, threads: int | None,
+                **kwargs: object) -> object:
+        config = EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory, threads=threads)
+        return run(*args, config=config, **kwargs)
+
+    f = click.option("--threads", type=click.IntRange(min=1), default=None,
+                     help="CPU threads for the NumPy backend's kernels  [default: every core]")(command)
     f = click.option("--kv-memory", default=DEFAULT_KV_MEMORY, show_default=True,
                      help="KV pool size: 2GiB, 512MiB, or a fraction of free memory (0.25, 25%).")(f)
     f = click.option("--weights", type=click.Choice(["auto", *WEIGHT_MODES]), default="auto", show_default=True,
-                     help="NumPy backend: float32 copies (fastest) or the quantized storage, dequantized "
-                          "per matmul (least memory); auto takes float32 where it fits.")(f)
+                     help="NumPy backend: compute from the quantized storage (least memory, fastest where "
+                          "the C kernels built) or float32 copies (the exact reference); auto picks.")(f)
     f = click.option("--backend", default="auto", show_default=True,
                      help=f"Array backend ({', '.join(BACKENDS)}): auto takes MLX on a GPU, NumPy on the CPU.")(f)
     f = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,

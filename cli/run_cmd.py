@@ -23,10 +23,10 @@ from edgeserve.sampling_params import SamplingParams
 @click.option("--raw", is_flag=True, help="Send the prompt as is, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and timings.")
 @click.argument("prompt")
-def run(model: str, backend: str, weights: str, kv_memory: str, max_tokens: int, temperature: float, top_p: float,
+def run(model: str, config: EngineConfig, max_tokens: int, temperature: float, top_p: float,
         seed: int | None, system: str | None, raw: bool, as_json: bool, prompt: str) -> None:
     """Answer PROMPT once and exit."""
-    engine = build_engine(model, EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory), quiet=as_json)
+    engine = build_engine(model, config, quiet=as_json)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     if raw or engine.tokenizer.chat_template is None and system is None:
         ids = engine.tokenize_prompt(prompt)

@@ -71,11 +71,11 @@ def _listen(host: str, port: int) -> socket.socket:
               help="Require 'Authorization: Bearer KEY' on /v1 (default: $EDGESERVE_API_KEY).")
 @click.option("--max-queue", default=DEFAULT_MAX_QUEUE, show_default=True, type=click.IntRange(1),
               help="Requests running or waiting beyond which new ones are refused with 429.")
-def serve(model: str, backend: str, weights: str, kv_memory: str, host: str, port: int, api_key: str | None,
+def serve(model: str, config: EngineConfig, host: str, port: int, api_key: str | None,
           max_queue: int) -> None:
     """Serve a model over the OpenAI API (chat and text completions, streaming) for local tools."""
     sock = _listen(host, port)
-    engine = build_engine(model, EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory))
+    engine = build_engine(model, config)
     aengine = AsyncEngine(engine)
     name = served_model_name(model)
     app = create_app(aengine, name, api_key=api_key, max_queue=max_queue)

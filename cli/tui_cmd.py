@@ -31,7 +31,7 @@ async def _check(client: ChatClient) -> None:
 @click.option("--temperature", "-t", default=0.7, show_default=True, help="Temperature of new sessions; 0 is greedy.")
 @click.option("--max-tokens", "-n", default=1024, show_default=True, help="Most tokens per answer.")
 @click.pass_context
-def tui(ctx: click.Context, model: str, backend: str, weights: str, kv_memory: str, url: str | None,
+def tui(ctx: click.Context, model: str, config: EngineConfig, url: str | None,
         api_key: str | None, system: str | None, temperature: float, max_tokens: int) -> None:
     """Chat in several sessions side by side and watch the engine batch them (F1 lists the keys)."""
     settings = {"temperature": temperature, "max_tokens": max_tokens}
@@ -43,7 +43,7 @@ def tui(ctx: click.Context, model: str, backend: str, weights: str, kv_memory: s
         client: ChatClient = RemoteClient(url, api_key, chosen)
         asyncio.run(_check(client))  # an unreachable server is one line of error, before the screen opens
     else:
-        aengine = AsyncEngine(build_engine(model, EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory)))
+        aengine = AsyncEngine(build_engine(model, config))
         client = EngineClient(aengine)
     try:
         app = EdgeserveApp(client, system, settings)

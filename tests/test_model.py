@@ -1,7 +1,6 @@
 """The core runtime on the real model: GGUF reading, NumPy forward vs transformers, loaders, bad input."""
 
 import json
-import shutil
 import struct
 import subprocess
 import sys
@@ -111,9 +110,10 @@ def test_run_json(model_path):
 
 def test_run_with_quantized_weights(model_path):
     done = edgeserve_cli("run", "--model", str(model_path), "--backend", "numpy", "--weights", "quantized",
-                         "--kv-memory", "64MiB", "--max-tokens", "8", "What is the capital of France?")
+                         "--threads", "1", "--kv-memory", "64MiB", "--max-tokens", "8", "What is the capital of France?")
     assert done.returncode == 0, done.stderr
-    assert "numpy (quantized weights)" in done.stderr and "Paris" in done.stdout
+    assert "numpy (quantized weights, " in done.stderr and "kernels, 1 thread)" in done.stderr
+    assert "Paris" in done.stdout
 
 
 def _patch_tensor_type(src: Path, dst: Path, tensor: str, new_type: int) -> None:

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from edgeserve.backends import get_backend, qmatmul, resident_weight_bytes

@@ -22,12 +22,13 @@ BACKENDS = ("auto", "numpy", "mlx")
 __all__ = ["BACKENDS", "WEIGHT_MODES", "Backend", "get_backend", "resident_weight_bytes"]
 
 
-def get_backend(name: str = "auto", weights: str = "auto", model: LoadedModel | None = None) -> Backend:
+def get_backend(name: str = "auto", weights: str = "auto", model: LoadedModel | None = None,
+                threads: int | None = None) -> Backend:
     """A backend instance; 'auto' takes MLX on a GPU and NumPy on a plain CPU (MLX's CPU GEMMs are slow).
 
-    weights: the NumPy backend's weights mode, one of WEIGHT_MODES or "auto": float32 where
-    `model`'s float32 copies fit in half the available memory (float32 when no model is given).
-    MLX keeps weights quantized whatever the mode.
+    weights: the NumPy backend's weights mode, one of WEIGHT_MODES or "auto": see
+    `choose_weights_mode` (float32 when no model is given).
+    MLX keeps weights quantized whatever the mode. threads: the NumPy kernels' CPU threads (None: every core).
     """
     if name not in BACKENDS:
         raise EdgeserveError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
@@ -41,4 +42,4 @@ def get_backend(name: str = "auto", weights: str = "auto", model: LoadedModel | 
         return MLXBackend()
     if weights == "auto":
         weights = "float32" if model is None else choose_weights_mode(model, available_memory_bytes())
-    return NumpyBackend(weights=weights)
+    return NumpyBackend(weights=weights, threads=threads)
