@@ -24,7 +24,7 @@ and third time inside AVX2 and AVX-512 target functions for the small ops on x86
 #include <stdlib.h>
 #include <string.h>
 
-#define ATT_TILE 64    /* keys per tile: a tile's scores stay in L1 */
+#define ATT_TILE 64    /* keys per tile: a tile's scores stay in L1; a multiple of 16 (keys go by 4, masks by 16) */
 #define ATT_GROUP 8    /* query heads per item at most (bounds the item's stack buffers) */
 #define ATT_MAX_HD 256
 #define ATT_MIN_SPLIT 128  /* keys per split at least: shorter ones cost more in merging than they gain */
@@ -103,18 +103,52 @@ static void att_finish(const AttTask *t, const AttItem *it, float (*acc)[ATT_MAX
     }
 }
 
-INLINE float dot_generic(const float *a, const float *b, int n) {
-    float part[LANES] = {0};
+/* The portable kernel's vectors: GCC and clang's generic vectors of 8 floats, one AVX register,
+   two SSE or NEON ones. Plain loops with 8 partial sums get vectorized poorly (gcc deinterleaves
+   them with shuffles), and a running scalar sum chains its adds. Accessed through an unaligned,
+   may_alias type, and never passed to functions: a vector argument's ABI depends on the target. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8f_u __attribute__((vector_size(32), aligned(4), may_alias));
+#define LOAD8(p) (*(const v8f_u *)(p))
+#define STORE8(p, v) (*(v8f_u *)(p) = (v))
+
+/* a macro on the variable: a function would take its address, and gcc then keeps it in memory */
+#define HSUM8(v) ((((v)[0] + (v)[4]) + ((v)[1] + (v)[5])) + (((v)[2] + (v)[6]) + ((v)[3] + (v)[7])))
+
+/* Four keys' scores at once: four independent chains of adds instead of one. */
+INLINE void dot4_portable(const float *q, const float *k0, const float *k1, const float *k2, const float *k3, int n,
+                          float *out) {
+    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     int i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++) part[j] += a[i + j] * b[i + j];
-    float s = 0.f;
-    for (; i < n; i++) s += a[i] * b[i];
-    for (int j = 0; j < LANES; j++) s += part[j];
+    for (; i + 8 <= n; i += 8) {
+        const v8f x = LOAD8(q + i);
+        a0 += x * LOAD8(k0 + i);
+        a1 += x * LOAD8(k1 + i);
+        a2 += x * LOAD8(k2 + i);
+        a3 += x * LOAD8(k3 + i);
+    }
+    out[0] = HSUM8(a0);
+    out[1] = HSUM8(a1);
+    out[2] = HSUM8(a2);
+    out[3] = HSUM8(a3);
+    for (; i < n; i++) {
+        out[0] += q[i] * k0[i];
+        out[1] += q[i] * k1[i];
+        out[2] += q[i] * k2[i];
+        out[3] += q[i] * k3[i];
+    }
+}
+
+INLINE float sum_portable(const float *x, int n) {
+    v8f acc = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc += LOAD8(x + i);
+    float s = HSUM8(acc);
+    for (; i < n; i++) s += x[i];
     return s;
 }
 
-static void att_item_generic(const void *ctx, int index) {
+INLINE void att_item_portable(const void *ctx, int index) {
     const AttTask *t = (const AttTask *)ctx;
     const AttItem *it = &t->items[index];
     const int hd = t->hd, nh = it->nh;
@@ -132,23 +166,35 @@ static void att_item_generic(const void *ctx, int index) {
     for (int t0 = it->t0; t0 < it->t1; t0 += ATT_TILE) {
         int nt = it->t1 - t0 < ATT_TILE ? it->t1 - t0 : ATT_TILE;
         tile_offsets(t, it, t0, nt, off);
+        for (int i = nt; i < ((nt + 3) & ~3); i++) off[i] = off[nt - 1]; /* scored, then ignored */
         for (int g = 0; g < nh; g++) {
+            for (int i = 0; i < nt; i += 4)
+                dot4_portable(qs[g], t->k + off[i], t->k + off[i + 1], t->k + off[i + 2], t->k + off[i + 3], hd,
+                              sc[g] + i);
+            /* max, exp and sum as separate loops: a float reduction inside the exp loop would
+               keep the compiler from vectorizing it */
             float top = m[g];
-            for (int i = 0; i < nt; i++) {
-                sc[g][i] = dot_generic(qs[g], t->k + off[i], hd);
-                top = sc[g][i] > top ? sc[g][i] : top;
-            }
-            float alpha = exp_poly(m[g] - top), sum = 0.f;
-            for (int i = 0; i < nt; i++) {
-                sc[g][i] = exp_poly(sc[g][i] - top);
-                sum += sc[g][i];
-            }
+            for (int i = 0; i < nt; i++) top = sc[g][i] > top ? sc[g][i] : top;
+            for (int i = 0; i < nt; i++) sc[g][i] = exp_poly(sc[g][i] - top);
+            float alpha = exp_poly(m[g] - top);
             m[g] = top;
-            l[g] = l[g] * alpha + sum;
+            l[g] = l[g] * alpha + sum_portable(sc[g], nt);
             for (int j = 0; j < hd; j++) acc[g][j] *= alpha;
-            for (int i = 0; i < nt; i++) {
+            /* four V rows per pass over the accumulator, which lives in memory here */
+            const int hd8 = hd & ~7;
+            int i = 0;
+            for (; i + 4 <= nt; i += 4) {
+                const float *v0 = t->v + off[i], *v1 = t->v + off[i + 1], *v2 = t->v + off[i + 2],
+                            *v3 = t->v + off[i + 3];
+                const float p0 = sc[g][i], p1 = sc[g][i + 1], p2 = sc[g][i + 2], p3 = sc[g][i + 3];
+                for (int j = 0; j < hd8; j += 8)
+                    STORE8(acc[g] + j, LOAD8(acc[g] + j) + ((p0 * LOAD8(v0 + j) + p1 * LOAD8(v1 + j)) +
+                                                            (p2 * LOAD8(v2 + j) + p3 * LOAD8(v3 + j))));
+                for (int j = hd8; j < hd; j++) acc[g][j] += (p0 * v0[j] + p1 * v1[j]) + (p2 * v2[j] + p3 * v3[j]);
+            }
+            for (; i < nt; i++) {
                 const float *vr = t->v + off[i];
-                float p = sc[g][i];
+                const float p = sc[g][i];
                 for (int j = 0; j < hd; j++) acc[g][j] += p * vr[j];
             }
         }
@@ -156,8 +202,15 @@ static void att_item_generic(const void *ctx, int index) {
     att_finish(t, it, acc, m, l);
 }
 
+static void att_item_generic(const void *ctx, int index) { att_item_portable(ctx, index); }
+
 #ifdef QM_X86
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+
+/* The portable kernel again, vectorized by the compiler for 8 lanes */
+static __attribute__((target("avx2,fma"))) void att_item_avx2(const void *ctx, int index) {
+    att_item_portable(ctx, index);
+}
 
 static inline AVX512_TARGET __attribute__((always_inline)) __m512 exp512(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
@@ -204,7 +257,7 @@ static inline AVX512_TARGET __attribute__((always_inline)) void att_item_avx512_
     float acc[ATT_GROUP][ATT_MAX_HD] __attribute__((aligned(64)));
     float sc[ATT_GROUP][ATT_TILE] __attribute__((aligned(64)));
     float m[ATT_GROUP], l[ATT_GROUP];
-    size_t offs[2][ATT_TILE + 3];
+    size_t offs[2][ATT_TILE];
     __m512 qs[ATT_GROUP][ATT_MAX_HD / 16];
     const __m512 scale = _mm512_set1_ps(t->scale);
     for (int g = 0; g < nh; g++) {
@@ -360,6 +413,7 @@ static int run_attention(AttTask *t, const int64_t *lens, int D) {
     qm_item_fn fn = att_item_generic;
 #ifdef QM_X86
     if (qm_isa_level() == 2 && t->hd % 32 == 0) fn = att_item_avx512;
+    if (qm_isa_level() == 1) fn = att_item_avx2;
 #endif
     qm_parallel((int)n, fn, t);
     /* merge the splits of each (sequence, head): weights exp(m_k - max) on the partial sums */
