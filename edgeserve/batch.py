@@ -32,6 +32,14 @@ class Batch:
     def query_lens(self) -> np.ndarray:
         return np.diff(self.query_start)
 
+    def row_layout(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every row as a query of its own: its sequence's block table (cut to the longest context
+        any row sees) and the number of keys it sees (its position + 1, causality included)."""
+        lens = self.positions + 1
+        max_blocks = int(-(-lens.max() // self.block_size)) if len(lens) else 0
+        seq_of_row = np.repeat(np.arange(self.num_seqs), self.query_lens)
+        return self.block_tables[seq_of_row, :max_blocks], lens
+
     def decode_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows of the single-token (decode) sequences, their block tables cut to the longest context,
         and their context lengths."""

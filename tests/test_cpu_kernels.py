@@ -111,8 +111,25 @@ def test_attention_declines_other_layouts():
     np.testing.assert_allclose(got, numba_attention(q, k, v, tables, ctx), atol=2e-5, rtol=0)
 
 
+def dense_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, batch) -> np.ndarray:
+    """Plain softmax attention, one row at a time, over the keys up to each row's position."""
+    n_heads, hd = q.shape[1:]
+    group = n_heads // k.shape[2]
+    out = np.empty_like(q)
+    seq_of_row = np.repeat(np.arange(batch.num_seqs), batch.query_lens)
+    for row, (s, pos) in enumerate(zip(seq_of_row, batch.positions)):
+        keys = k[batch.block_tables[s]].reshape(-1, *k.shape[2:])[: pos + 1]
+        values = v[batch.block_tables[s]].reshape(-1, *v.shape[2:])[: pos + 1]
+        for h in range(n_heads):
+            scores = keys[:, h // group] @ q[row, h] / np.sqrt(hd)
+            p = np.exp(scores - scores.max())
+            out[row, h] = p @ values[:, h // group] / p.sum()
+    return out
+
+
 def test_backend_attention_mixed_batch(isa, monkeypatch):
-    """Decode rows and prefill chunks in one step: the C kernel's rows equal the fallback's."""
+    """Decode rows and prefill chunks in one step: every row, C kernel or fallback, equals plain
+    causal attention over its own sequence."""
     rng = np.random.default_rng(5)
     contexts, query_lens = [300, 17, 64, 1, 250], [1, 17, 1, 1, 40]
     batch, num_blocks = random_paged_batch(contexts, query_lens, 16, rng, spare_blocks=2)
@@ -122,14 +139,15 @@ def test_backend_attention_mixed_batch(isa, monkeypatch):
     be = NumpyBackend(weights="quantized")
     rope = (np.ones((400, 32), np.float32), np.zeros((400, 32), np.float32))
     got = be.paged_attention(q, k, v, be.batch_meta(batch, rope))
-    monkeypatch.setattr(cpu_kernels, "ops", None)
-    want = be.paged_attention(q, k, v, be.batch_meta(batch, rope))
+    want = dense_causal_attention(q, k, v, batch)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    monkeypatch.setattr(cpu_kernels, "ops", None)
+    np.testing.assert_allclose(be.paged_attention(q, k, v, be.batch_meta(batch, rope)), want, atol=2e-5, rtol=0)
 
 
 def small_meta(cos: np.ndarray, sin: np.ndarray) -> NumpyMeta:
     empty = np.zeros(0, np.int64)
-    return NumpyMeta(empty, empty, empty, cos, sin, empty, np.zeros((0, 0), np.int64), empty, [])
+    return NumpyMeta(empty, empty, empty, cos, sin, np.zeros((0, 0), np.int64), empty)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 300])

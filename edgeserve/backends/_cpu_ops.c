@@ -7,10 +7,11 @@ not take (dtype, strides, sizes), so the caller falls back to NumPy or numba ins
 Decode attention. A work item is one sequence, one KV head, up to ATT_GROUP of the query heads
 that share it, and a range of its keys: each K and V row is read once for the whole group. Keys
 go by tiles of ATT_TILE: the tile's scores, then an online softmax (running max and sum per
-head, the accumulator rescaled when the max grows), then the weighted sum of V rows. When there
-are fewer (sequence, KV head) pairs than the pool has threads to keep busy (one stream), each
-pair's keys are split into ranges whose partial results (max, sum, unnormalized output) are
-merged afterwards. exp is a polynomial (Cephes' expf, ~1 ulp) that vectorizes: libm's expf per
+head, the accumulator rescaled when the max grows), then the weighted sum of V rows. Keys are
+cut into ranges of ATT_SPLIT whose partial results (max, sum, unnormalized output) are merged
+afterwards, in order: one long context keeps every thread busy, and since the cut depends on the
+row's own length only, a row's result is the same bits whatever else is in the batch (a prompt
+gives the same answer alone, beside other requests, or after a prefix-cache hit). exp is a polynomial (Cephes' expf, ~1 ulp) that vectorizes: libm's expf per
 score costs more than the dot product it follows.
 
 Code paths: AVX-512 intrinsics for the attention, where head_dim is a multiple of 16; portable C
@@ -27,7 +28,7 @@ and third time inside AVX2 and AVX-512 target functions for the small ops on x86
 #define ATT_TILE 64    /* keys per tile: a tile's scores stay in L1; a multiple of 16 (keys go by 4, masks by 16) */
 #define ATT_GROUP 8    /* query heads per item at most (bounds the item's stack buffers) */
 #define ATT_MAX_HD 256
-#define ATT_MIN_SPLIT 128  /* keys per split at least: shorter ones cost more in merging than they gain */
+#define ATT_SPLIT 256  /* keys per range: shorter ones cost more in merging than they gain; a multiple of ATT_TILE */
 #define LANES 16
 #define INLINE static inline __attribute__((always_inline))
 
@@ -368,18 +369,7 @@ static int grow(void **p, size_t *cap, size_t need, size_t elem) {
 static int run_attention(AttTask *t, const int64_t *lens, int D) {
     const int group = t->H / t->n_kv;
     const int subs = (group + ATT_GROUP - 1) / ATT_GROUP, sub = (group + subs - 1) / subs;
-    const int pairs = D * t->n_kv * subs, threads = qm_threads();
-    int64_t longest = 0;
-    for (int s = 0; s < D; s++) longest = lens[s] > longest ? lens[s] : longest;
-    /* split keys only when the pairs alone leave threads idle: 4 items per thread evens out the
-       load of pairs that do not divide among the threads */
-    int64_t split = longest;
-    if (threads > 1 && pairs < 4 * threads) {
-        int want = (4 * threads + pairs - 1) / pairs;
-        split = (longest + want - 1) / want;
-        split = split < ATT_MIN_SPLIT ? ATT_MIN_SPLIT : (split + ATT_TILE - 1) / ATT_TILE * ATT_TILE;
-    }
-    if (split < 1) split = 1;
+    const int64_t split = ATT_SPLIT;
     size_t n_items = 0, n_slots = 0;
     for (int s = 0; s < D; s++) {
         int64_t ns = (lens[s] + split - 1) / split;

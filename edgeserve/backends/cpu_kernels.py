@@ -1,9 +1,11 @@
-"""Decode attention straight from the paged KV pool, and the small ops of a decoder block, compiled for the CPU.
+"""Paged attention straight from the KV pool, and the small ops of a decoder block, compiled for the CPU.
 
-A decode row has one query token per sequence, so as a BLAS product it is a GEMM with as many
-rows as the GQA group (3 for SmolLM2): BLAS runs those far below its speed, and gathering each
-sequence's K/V out of the pool first costs a full copy. The kernels walk the block tables and
-read every K and V row once, in place, with the softmax in between.
+Every row is one query with its own block table and key count (a decode row sees its whole
+sequence, a prefill row the keys up to its position), so a row's result does not depend on the
+rows beside it. As a BLAS product a decode row is a GEMM with as many rows as the GQA group (3
+for SmolLM2), far below BLAS's speed, and gathering each sequence's K/V out of the pool first
+costs a full copy: the kernels walk the block tables and read every K and V row in place, with
+the softmax in between.
 
 The C extension of `qmatmul` runs them (see _cpu_ops.c), with RMSNorm, RoPE and the SiLU gate as
 single-pass ops: one call each, on the extension's thread pool, where NumPy's per-call cost is
@@ -11,7 +13,7 @@ most of a decode step's time for these small arrays. Without the extension, or w
 EDGESERVE_QMATMUL=numba, `ops` is None: decode attention runs the numba kernel below and the
 NumpyBackend its NumPy code for the small ops.
 
-The numba kernel splits many decode rows by sequence into one share per core, each share run on
+The numba kernel splits many rows by sequence into one share per core, each share run on
 its own thread (the kernel releases the GIL): a plain thread pool rather than numba's, since a
 third pool beside the matmul kernels' and OpenBLAS's would fight them for the same cores. numba
 compiles on first use and keeps the machine code in its on-disk cache, so only the first run on
@@ -31,7 +33,7 @@ from edgeserve.backends import qmatmul
 # The extension's fused ops, or None where the numba and NumPy code runs instead. Each op returns
 # False, having done nothing, for arrays laid out in a way it does not take.
 ops = qmatmul._ext if qmatmul.compiled() else None
-# Below this many decode rows one thread is faster than handing shares to the pool.
+# Below this many rows one thread is faster than handing shares to the pool.
 _MIN_ROWS_TO_SPLIT = 4
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _pool = ThreadPoolExecutor(_CORES - 1, thread_name_prefix="attention") if _CORES > 1 else None
@@ -39,9 +41,9 @@ _pool = ThreadPoolExecutor(_CORES - 1, thread_name_prefix="attention") if _CORES
 
 def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
                      context_lens: np.ndarray) -> np.ndarray:
-    """Attention of decode queries q [D, n_heads, head_dim] over K/V pools [blocks, block_size, n_kv, head_dim].
+    """Attention of queries q [D, n_heads, head_dim] over K/V pools [blocks, block_size, n_kv, head_dim].
 
-    block_tables [D, max_blocks] and context_lens [D] say where each sequence's keys are.
+    block_tables [D, max_blocks] and context_lens [D] say where each row's keys are and how many it sees.
     """
     out = np.empty(q.shape, np.float32)
     scale = np.float32(1.0 / np.sqrt(q.shape[-1]))

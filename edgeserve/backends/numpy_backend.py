@@ -1,4 +1,4 @@
-"""The NumPy backend: float32 weights and BLAS GEMMs on the CPU, paged attention over the pool.
+"""The NumPy backend: matmuls from the quantized storage (or float32 BLAS), paged attention over the pool.
 
 Weights stay in their quantized storage (`weights="quantized"`, the default wherever the compiled
 kernels of `qmatmul` are built): every matmul, the output head and the embedding lookup compute
@@ -8,8 +8,10 @@ the faster choice where only the (slow) numba fallback of the kernels is availab
 matrices are stored transposed, [in, out]: OpenBLAS runs `x @ W` with few rows (decode) faster
 than `x @ W.T`.
 
-Decode rows attend through the compiled kernel of `cpu_kernels`; prefill chunks through BLAS
-GEMMs, a tile of query rows at a time so the causal upper triangle is mostly skipped. RMSNorm,
+Every row attends through the compiled kernel of `cpu_kernels` as a query of its own (a prefill
+row sees keys up to its position), so a row's result never depends on the rows beside it: with
+the row-exact matmul kernels, a prompt's logits are the same bits alone, in a batch, or after a
+prefix-cache hit, and seeded answers do not change with the server's load. RMSNorm,
 RoPE and the SiLU gate run as single-pass C ops of `cpu_kernels` where the extension is built
 (a decode step calls each of them per layer on one row, where NumPy's per-call cost dominates),
 as NumPy code otherwise.
@@ -30,15 +32,12 @@ from edgeserve.batch import Batch
 from edgeserve.errors import EdgeserveError
 from edgeserve.quant.affine import QuantizedTensor
 
-NEG_INF = np.float32(-1e30)
 WEIGHT_MODES = ("float32", "quantized")
 
 # OpenBLAS's threads spin for a while after each call: beside the kernels' own thread pool on the
 # same cores, a 512-token prefill ran 5x slower. Each backend sets the BLAS threads it wants per step.
 _BLAS = ThreadpoolController().select(user_api="blas")
 _blas_threads: int | None = None
-# Query rows of a prefill chunk attended at once: each tile only reads keys up to its last row.
-_PREFILL_TILE = 128
 
 
 def as_float32(w: Any) -> np.ndarray:
@@ -82,14 +81,6 @@ def _check_mode(mode: str) -> None:
 
 
 @dataclass
-class PrefillChunk:
-    rows: slice
-    blocks: np.ndarray
-    context_len: int
-    mask: np.ndarray  # additive causal mask [rows, context_len]
-
-
-@dataclass
 class NumpyMeta:
     """Per-step arrays, computed once and shared by every layer."""
 
@@ -98,10 +89,8 @@ class NumpyMeta:
     logits_indices: np.ndarray
     cos: np.ndarray  # [T, 1, head_dim / 2]
     sin: np.ndarray
-    decode_rows: np.ndarray  # rows that are a sequence's single decode token
-    decode_blocks: np.ndarray  # [D, max_blocks]
-    decode_lens: np.ndarray  # [D] context length of each decode row's sequence
-    prefills: list[PrefillChunk]
+    block_tables: np.ndarray  # [T, max_blocks] each row's sequence's blocks
+    context_lens: np.ndarray  # [T] keys each row sees
 
 
 class NumpyBackend:
@@ -113,7 +102,7 @@ class NumpyBackend:
         _check_mode(weights)
         self.weights = weights
         self.threads = qmatmul.set_num_threads(threads)
-        # quantized mode calls BLAS only for prefill attention, where one thread costs little
+        # quantized mode calls BLAS only for float matrices a quantized model may keep (rare)
         self.blas_threads = 1 if weights == "quantized" else self.threads
         compile_now()  # at start-up, not inside the first request's timings
         if weights == "quantized":
@@ -121,7 +110,8 @@ class NumpyBackend:
 
     def describe(self) -> str:
         if self.weights == "quantized":
-            return f"numpy (quantized weights, {qmatmul.kernel_name()} kernels, {self.threads} threads)"
+            threads = f"{self.threads} thread{'s' if self.threads > 1 else ''}"
+            return f"numpy (quantized weights, {qmatmul.kernel_name()} kernels, {threads})"
         return "numpy (float32 weights)"
 
     def vector(self, w: Any) -> np.ndarray:
@@ -149,22 +139,15 @@ class NumpyBackend:
     def batch_meta(self, batch: Batch, rope: tuple[np.ndarray, np.ndarray]) -> NumpyMeta:
         _set_blas_threads(self.blas_threads)
         cos, sin = rope
-        rows, blocks, lens = batch.decode_layout()
-        prefills = [
-            PrefillChunk(slice(c.start, c.start + c.length), c.blocks, c.context_len,
-                         np.where(c.masked, NEG_INF, 0.0).astype(np.float32))
-            for c in batch.prefill_chunks()
-        ]
+        blocks, lens = batch.row_layout()
         return NumpyMeta(
             token_ids=batch.token_ids,
             slot_mapping=batch.slot_mapping,
             logits_indices=batch.logits_indices,
             cos=cos[batch.positions][:, None, :],
             sin=sin[batch.positions][:, None, :],
-            decode_rows=rows,
-            decode_blocks=blocks,
-            decode_lens=lens,
-            prefills=prefills,
+            block_tables=blocks,
+            context_lens=lens,
         )
 
     def embed(self, table: np.ndarray | QMatrix, ids: np.ndarray) -> np.ndarray:
@@ -230,35 +213,8 @@ class NumpyBackend:
         return x
 
     def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: NumpyMeta) -> np.ndarray:
-        """Attention of each row over its sequence's K/V, read through the block tables."""
-        t, n_heads, hd = q.shape
-        if len(meta.decode_rows) == t:  # decode rows only: no rows to pick out and put back
-            return decode_attention(q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens)
-        n_kv = k_cache.shape[2]
-        group = n_heads // n_kv
-        scale = np.float32(1.0 / np.sqrt(hd))
-        out = np.empty_like(q)
-        if len(meta.decode_rows):
-            out[meta.decode_rows] = decode_attention(q[meta.decode_rows], k_cache, v_cache, meta.decode_blocks,
-                                                     meta.decode_lens)
-        for chunk in meta.prefills:
-            c = chunk.context_len
-            n = chunk.rows.stop - chunk.rows.start
-            k = k_cache[chunk.blocks].reshape(-1, n_kv, hd)[:c].transpose(1, 2, 0)  # [kv, hd, c]
-            v = v_cache[chunk.blocks].reshape(-1, n_kv, hd)[:c].transpose(1, 0, 2)  # [kv, c, hd]
-            qc = (q[chunk.rows] * scale).reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3)  # [kv, g, n, hd]
-            for r0 in range(0, n, _PREFILL_TILE):
-                r1 = min(r0 + _PREFILL_TILE, n)
-                keys = c - n + r1  # the tile's last row sees keys [0, keys)
-                # one [group * rows, hd] matrix per KV head, so each product is a plain BLAS GEMM
-                qt = qc[:, :, r0:r1].reshape(n_kv, group * (r1 - r0), hd)
-                scores = (qt @ k[:, :, :keys]).reshape(n_kv, group, r1 - r0, keys)
-                scores += chunk.mask[r0:r1, :keys]
-                o = _softmax_av(scores.reshape(n_kv, group * (r1 - r0), keys), v[:, :keys])
-                first = chunk.rows.start
-                out[first + r0 : first + r1] = o.reshape(n_kv, group, r1 - r0, hd).transpose(2, 0, 1, 3).reshape(
-                    r1 - r0, n_heads, hd)
-        return out
+        """Attention of each row over its sequence's K/V up to its own position, read through the block tables."""
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
 
 
 def _set_blas_threads(n: int) -> None:
@@ -268,12 +224,3 @@ def _set_blas_threads(n: int) -> None:
         for lib in _BLAS.lib_controllers:
             lib.set_num_threads(n)
         _blas_threads = n
-
-
-def _softmax_av(scores: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """softmax(scores) @ v, overwriting scores; normalized after the product, on the smaller array."""
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    out = scores @ v
-    out /= scores.sum(axis=-1, keepdims=True)
-    return out
