@@ -213,7 +213,7 @@ class RemoteClient(ChatClient):
         import openai
 
         defaults = SamplingParams()
-        extra = {k: getattr(params, k) for k in ("top_k", "min_p", "repetition_penalty")
+        extra = {k: getattr(params, k) for k in ("top_k", "min_p", "repetition_penalty", "ignore_eos")
                  if getattr(params, k) != getattr(defaults, k)}
         start = time.perf_counter()
         ttft, count, finish, usage, server_id = None, 0, None, None, None

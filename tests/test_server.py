@@ -427,7 +427,7 @@ def test_full_queue_gets_429_and_others_carry_on(keyed_url: str, model_name: str
     too_many = http.post(keyed_url + "/v1/chat/completions", headers=headers, json={**GOOD_CHAT, "n": 3})
     assert too_many.status_code == 429 and too_many.json()["error"]["code"] == "queue_full"
     client = openai.OpenAI(base_url=keyed_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    stream = client.chat.completions.create(model=model_name, messages=chat("Count to ten."), n=2, max_tokens=8,
+    stream = client.chat.completions.create(model=model_name, messages=chat("Count to ten."), n=2, max_tokens=400,
                                             temperature=0, extra_body=IGNORE_EOS, stream=True)
     first = next(iter(stream))  # both choices now hold the two queue places
     with pytest.raises(openai.RateLimitError) as full:

@@ -32,14 +32,15 @@ LONG_PROMPT = "Write a long story about a dragon."
 
 @pytest.fixture(scope="module")
 def aengine(model_path) -> Iterator[AsyncEngine]:
-    engine = build_engine(str(model_path), EngineConfig(backend="numpy", kv_memory="32MiB"), quiet=True)
+    engine = build_engine(str(model_path), EngineConfig(backend="numpy", kv_memory="64MiB"), quiet=True)
     aengine = AsyncEngine(engine)
     yield aengine
     aengine.shutdown()
 
 
-def tui(client, max_tokens: int) -> EdgeserveApp:
-    return EdgeserveApp(client, settings={**GREEDY, "max_tokens": max_tokens}, refresh_interval=0.05)
+def tui(client, max_tokens: int, ignore_eos: bool = False) -> EdgeserveApp:
+    settings = {**GREEDY, "max_tokens": max_tokens, "ignore_eos": ignore_eos}
+    return EdgeserveApp(client, settings=settings, refresh_interval=0.05)
 
 
 async def wait_until(pilot, condition: Callable[[], bool], what: str) -> None:
@@ -63,7 +64,8 @@ async def engine_state(aengine: AsyncEngine) -> tuple[list[str], list[tuple[str,
 
 
 async def test_three_sessions_stream_at_once_and_hold_blocks_in_the_kv_map(aengine):
-    app = tui(EngineClient(aengine), max_tokens=40)
+    # answers of a fixed length (no early stop), long enough to overlap on a fast machine
+    app = tui(EngineClient(aengine), max_tokens=300, ignore_eos=True)
     async with app.run_test(size=(160, 45)) as pilot:
         await pilot.press("ctrl+n", "ctrl+n")
         sessions = app.sessions
@@ -82,7 +84,7 @@ async def test_three_sessions_stream_at_once_and_hold_blocks_in_the_kv_map(aengi
 
         # the first answer is the longest, and the others start while it streams: they find the
         # blocks of the prompt start they have in common with it in the prefix cache, and share them
-        await send(pilot, sessions[0], "/set max_tokens 120")  # long enough to overlap on a fast machine
+        await send(pilot, sessions[0], "/set max_tokens 400")
         await send(pilot, sessions[0], LONG_PROMPT)
         await wait_until(pilot, lambda: sessions[0].streamed_tokens >= 1, "the first answer streams")
         await send(pilot, sessions[1], "Write a poem about the sea.")  # answers that take a while,
@@ -189,7 +191,8 @@ def serving(app) -> Iterator[str]:
 async def test_a_session_streams_from_a_server(aengine, edgeserve_server):
     server_app = create_app(aengine, "smollm2-135m-instruct")
     with serving(server_app if edgeserve_server else without_edgeserve_extras(server_app)) as url:
-        app = tui(RemoteClient(url), max_tokens=48)  # streams long enough for a KV-map poll to see it
+        # streams long enough for a KV-map poll to see it, on a fast machine too
+        app = tui(RemoteClient(url), max_tokens=300, ignore_eos=True)
         async with app.run_test(size=(160, 45)) as pilot:
             pane, kv_map = app.sessions[0], app.query_one(KVMap)
             assert app.client.model_name == "smollm2-135m-instruct"
