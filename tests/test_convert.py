@@ -74,11 +74,7 @@ def source_greedy(source_engine, prompt_ids) -> list[int]:
 
 def _greedy(engine: LLMEngine, ids: list[int]) -> list[int]:
     engine.add_request(ids, GREEDY, "greedy")
-    tokens: list[int] = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.token_ids
-    return tokens
+    return engine.run_to_completion()["greedy"].token_ids
 
 
 def test_gguf_becomes_mlx_folders(folders):

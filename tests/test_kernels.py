@@ -120,11 +120,8 @@ def test_greedy_output_same_with_kernel_and_reference(loaded_model, monkeypatch)
         engine = LLMEngine(loaded_model, backend="mlx", kv_memory="256MiB")
         for i, ids in enumerate(prompts):
             engine.add_request(ids, params, f"r{i}")
-        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens[out.request_id] += out.token_ids
-        return engine.backend.attention.name, tokens
+        done = engine.run_to_completion()
+        return engine.backend.attention.name, {rid: c.token_ids for rid, c in done.items()}
 
     kernel_name, with_kernel = generate("auto")
     reference_name, with_reference = generate("reference")

@@ -35,16 +35,17 @@ def mlx_engine(loaded_model) -> LLMEngine:
 
 def generate(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int]]]]) -> dict[str, list[int]]:
     """Greedy tokens per request; arrivals[k] are added before step k."""
-    tokens: dict[str, list[int]] = {}
-    step = 0
-    while engine.has_unfinished() or any(k >= step for k in arrivals):
-        for rid, ids in arrivals.get(step, []):
+    steps = 0
+
+    def arrive(outputs: list) -> None:
+        nonlocal steps
+        steps += 1
+        for rid, ids in arrivals.get(steps, []):
             engine.add_request(ids, GREEDY, rid)
-            tokens[rid] = []
-        for out in engine.step():
-            tokens[out.request_id] += out.token_ids
-        step += 1
-    return tokens
+
+    for rid, ids in arrivals.get(0, []):
+        engine.add_request(ids, GREEDY, rid)
+    return {rid: c.token_ids for rid, c in engine.run_to_completion(arrive).items()}
 
 
 def assert_same_up_to_near_tie(numpy_engine: LLMEngine, prompt: list[int], got: list[int], want: list[int]) -> None:

@@ -56,13 +56,11 @@ def test_numpy_forward_matches_transformers(engine, case):
 
 def test_greedy_continuations_match_transformers(engine):
     params = SamplingParams(max_tokens=48, temperature=0.0)
-    ids = {engine.add_request(c["prompt_ids"], params): i for i, c in enumerate(REFERENCE["cases"])}
-    got = {i: [] for i in ids.values()}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[ids[out.request_id]] += out.token_ids
-    for i, case in enumerate(REFERENCE["cases"]):
-        tokens = [t for t in got[i] if t not in engine.tokenizer.eos_token_ids]  # the reference drops the stop id
+    ids = [engine.add_request(c["prompt_ids"], params) for c in REFERENCE["cases"]]
+    done = engine.run_to_completion()
+    for rid, case in zip(ids, REFERENCE["cases"]):
+        # the reference drops the stop id
+        tokens = [t for t in done[rid].token_ids if t not in engine.tokenizer.eos_token_ids]
         assert tokens == case["greedy_ids"]
 
 
