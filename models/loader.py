@@ -20,6 +20,7 @@ from edgeserve.models.gguf_file import GGUFFile, read_gguf
 from edgeserve.models.base import ModelArgs, Weights
 from edgeserve.models.registry import architecture, gguf_model_type
 from edgeserve.quant.affine import QuantizedTensor
+from edgeserve.quant.kquants import KQuantTensor
 from edgeserve.quant.gguf_blocks import gguf_tensor_to_array
 from edgeserve.text.tokenizer import Tokenizer
 
@@ -57,7 +58,12 @@ class LoadedModel:
         """A short summary such as 'Q4_1 (4-bit, group 32) + Q8_0 embeddings' or 'float16'."""
         kinds: dict[str, int] = {}
         for w in self.weights.values():
-            key = f"{w.bits}-bit g{w.group_size}" if isinstance(w, QuantizedTensor) else str(w.dtype)
+            if isinstance(w, KQuantTensor):
+                key = w.qtype.name
+            elif isinstance(w, QuantizedTensor):
+                key = f"{w.bits}-bit g{w.group_size}"
+            else:
+                key = str(w.dtype)
             kinds[key] = kinds.get(key, 0) + int(np.prod(w.shape))
         total = sum(kinds.values())
         return ", ".join(f"{k} {100 * n / total:.0f}%" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
@@ -96,7 +102,7 @@ def _rope_rows_to_half(n_rows: int, n_heads: int) -> np.ndarray:
 
 
 def _permute_rows(w: Any, order: np.ndarray) -> Any:
-    return w.take_rows(order) if isinstance(w, QuantizedTensor) else w[order]
+    return w.take_rows(order) if isinstance(w, (QuantizedTensor, KQuantTensor)) else w[order]
 
 
 def gguf_args(g: GGUFFile) -> ModelArgs:

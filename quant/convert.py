@@ -33,6 +33,7 @@ from edgeserve.errors import EdgeserveError
 from edgeserve.models.loader import LoadedModel
 from edgeserve.models.registry import architecture
 from edgeserve.quant.affine import SUPPORTED_GROUP_SIZES, QuantizedTensor, _as_float32, pack, quantize, unpack
+from edgeserve.quant.kquants import KQuantTensor
 from edgeserve.units import format_size
 
 BITS = (4, 8, 16)
@@ -135,7 +136,8 @@ def plan_conversion(model: LoadedModel, bits: int, group_size: int | None, keep_
     """Decide width, group size and action for every weight; raise before anything is written."""
     plans = []
     for name, w in model.weights.items():
-        if not isinstance(w, QuantizedTensor) and not np.issubdtype(w.dtype, np.floating):
+        # K-quants are requantized from their exact float values ("quantize" below)
+        if not isinstance(w, (QuantizedTensor, KQuantTensor)) and not np.issubdtype(w.dtype, np.floating):
             raise ConvertError(f"{model.source}: tensor {name} has unsupported type {w.dtype}")
         target = max(bits, keep_embeddings) if name in EMBEDDING_WEIGHTS else bits
         if len(w.shape) != 2 or target == 16:
@@ -178,8 +180,8 @@ def relative_error(source: np.ndarray | QuantizedTensor, converted: np.ndarray |
     return float(np.linalg.norm(a - b)) / norm if norm else float(np.linalg.norm(b))
 
 
-def _as_float(w: np.ndarray | QuantizedTensor) -> np.ndarray:
-    return w.dequantize(np.float32) if isinstance(w, QuantizedTensor) else np.asarray(w)
+def _as_float(w: np.ndarray | QuantizedTensor | KQuantTensor) -> np.ndarray:
+    return w.dequantize(np.float32) if isinstance(w, (QuantizedTensor, KQuantTensor)) else np.asarray(w)
 
 
 def _half(w: np.ndarray) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""GGUF tensors as NumPy: float types as float32 arrays, Q4_0/Q4_1/Q8_0 as exact affine groups.
+"""GGUF tensors as NumPy: float types as float32 arrays, Q4_0/Q4_1/Q8_0 as exact affine groups,
+K-quants as their blocks.
 
 Q4_0, Q4_1 and Q8_0 blocks are 32 values sharing one float16 scale, which is an MLX affine
 group of 32 with no requantization:
@@ -7,8 +8,9 @@ group of 32 with no requantization:
     Q4_0  x = d * (q - 8)        ->  4 bits, scale d, bias -8d
     Q8_0  x = d * q (q signed)   ->  8 bits, q + 128, scale d, bias -128d
 
-Every other type GGUF's own library can dequantize (K-quants, Q5_0, ...) comes back as
-float32; whether to requantize it is the caller's choice.
+2-D Q4_K/Q5_K/Q6_K tensors stay as their blocks (a KQuantTensor, see quant/kquants.py). Every
+other type GGUF's own library can dequantize (Q5_0, 1-D K-quants, ...) comes back as float32;
+whether to requantize it is the caller's choice.
 """
 
 from __future__ import annotations
@@ -19,19 +21,22 @@ import numpy as np
 from edgeserve.errors import ModelLoadError
 from edgeserve.models.gguf_file import GGUFTensor
 from edgeserve.quant.affine import QuantizedTensor
+from edgeserve.quant.kquants import KQUANT_TYPES, KQuantTensor, kquant_from_gguf
 
 _T = gguf.GGMLQuantizationType
 _BLOCK = 32  # values per Q4_0/Q4_1/Q8_0 block, and so the affine group size
 
 
-def gguf_tensor_to_array(t: GGUFTensor) -> np.ndarray | QuantizedTensor:
-    """The tensor's values: a float32 array of shape `t.shape`, or a QuantizedTensor for 2-D
-    Q4_0/Q4_1/Q8_0 tensors (the same values exactly)."""
+def gguf_tensor_to_array(t: GGUFTensor) -> np.ndarray | QuantizedTensor | KQuantTensor:
+    """The tensor's values: a float32 array of shape `t.shape`, a QuantizedTensor for 2-D
+    Q4_0/Q4_1/Q8_0 tensors or a KQuantTensor for 2-D K-quant ones (the same values exactly)."""
     if t.qtype == _T.F32:
         return np.array(t.data, dtype=np.float32).reshape(t.shape)
     if len(t.shape) == 2 and t.qtype in _AFFINE_MAPPERS:
         blocks = np.asarray(t.data, dtype=np.uint8).reshape(-1, gguf.GGML_QUANT_SIZES[t.qtype][1])
         return _AFFINE_MAPPERS[t.qtype](blocks, t.shape)
+    if len(t.shape) == 2 and t.qtype in KQUANT_TYPES:
+        return kquant_from_gguf(t.data, t.qtype, t.shape)
     try:
         values = gguf.quants.dequantize(np.asarray(t.data), t.qtype)
     except NotImplementedError:

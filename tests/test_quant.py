@@ -20,6 +20,7 @@ from edgeserve.quant.affine import (
     quantize,
 )
 from edgeserve.quant.gguf_blocks import gguf_tensor_to_array
+from edgeserve.quant.kquants import KQuantTensor
 
 T = gguf.GGMLQuantizationType
 
@@ -206,7 +207,7 @@ def test_gguf_q5_0_comes_back_as_float32():
     np.testing.assert_array_equal(out, _gguf_reference(t))
 
 
-def test_gguf_q4_k_comes_back_as_float32():
+def test_gguf_q4_k_stays_as_blocks():
     # gguf has no Q4_K quantizer, so build blocks by hand: valid float16 d and dmin up front,
     # random 6-bit sub-scales and 4-bit values after them
     rows, cols = 4, 512
@@ -216,8 +217,15 @@ def test_gguf_q4_k_comes_back_as_float32():
     blocks[:, :, 0:4] = (rng.standard_normal((rows, cols // block_size, 2)) * 0.01).astype(np.float16).view(np.uint8)
     t = GGUFTensor("test.weight", T.Q4_K, (rows, cols), blocks.reshape(rows, -1))
     out = gguf_tensor_to_array(t)
-    assert isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (rows, cols)
-    np.testing.assert_array_equal(out, _gguf_reference(t))
+    assert isinstance(out, KQuantTensor) and out.shape == (rows, cols) and out.nbytes == blocks.nbytes
+    np.testing.assert_array_equal(out.dequantize(np.float32), _gguf_reference(t))
+
+
+def test_gguf_1d_q4_k_comes_back_as_float32():
+    block_size, type_size = gguf.GGML_QUANT_SIZES[T.Q4_K]
+    t = GGUFTensor("test.norm", T.Q4_K, (block_size,), np.zeros(type_size, dtype=np.uint8))
+    out = gguf_tensor_to_array(t)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (block_size,)
 
 
 def test_unsupported_gguf_type_names_tensor_and_type():

@@ -9,6 +9,13 @@ an int32 lane:
     8 bits: byte order w[k0], w[k0 + 2], w[k0 + 1], w[k0 + 3]
 Scales and biases are [panels, K / group, 16] float16 or float32.
 
+K-quant segments (GGUF Q4_K/Q5_K/Q6_K, see quant/kquants.py) keep two-level scales instead:
+int8 sc and m [panels, K / group, 16] and float16/float32 d and dmin [panels, K / 256, 16] (passed
+as scales and biases), a group's scale and bias being d * sc and dmin * m. Their 5th and 6th bits
+(hbits = 1 or 2) sit in a second plane of uint32 words [K * hbits / 32, 16] per panel, a word
+holding 32 / hbits consecutive k: pair p (k0 + 2p, k0 + 2p + 1) at bits hbits * p of the low and
+high int16 halves, so one shift and mask lines them up with the 4-bit pairs, then << 4.
+
 Kernel: each row of x is quantized per weight group to int16 (scale = max|x| / 32767, an error
 below 2^-16 of the group's largest value, far inside float32 model noise) and its float sum per
 group is kept, so a group's contribution is s * d_x * sum(q * x_q) + b * sum(x). The integer dot
@@ -39,6 +46,9 @@ typedef struct {
     float *out;
     Py_ssize_t ldo;     /* floats between rows of out */
     int R, K, N, bits, group, f16;
+    const uint32_t *hw;      /* high-bit plane, or NULL */
+    const int8_t *ksc, *km;  /* K-quant group scales and mins, or NULL */
+    int hbits, kq;
     int panels, chunk, row_tiles, items;
 } Task;
 
@@ -63,12 +73,18 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
+static inline float load_scale(const void *a, size_t i, int f16) {
+    return f16 ? f16_to_f32(((const uint16_t *)a)[i]) : ((const float *)a)[i];
+}
+
 /* ---- portable kernel: plain loops over the 16 lanes, which gcc and clang vectorize (NEON too) ---- */
 
 static void kernel_generic(const Task *t, int p0, int p1, int r0, int r1) {
-    const int K = t->K, G = t->group, ng = K / G, epw = 32 / t->bits, wpg = G / epw;
+    const int K = t->K, G = t->group, ng = K / G, epw = 32 / t->bits, wpg = G / epw, hb = t->hbits;
+    const uint32_t hm = (1u << hb) - 1;
     for (int p = p0; p < p1; p++) {
         const uint32_t *wp = t->w + (size_t)p * (K / epw) * PANEL;
+        const uint32_t *hp = hb ? t->hw + (size_t)p * (K * hb / 32) * PANEL : NULL;
         int ncols = t->N - p * PANEL < PANEL ? t->N - p * PANEL : PANEL;
         for (int r = r0; r < r1; r++) {
             float facc[PANEL] = {0};
@@ -79,6 +95,9 @@ static void kernel_generic(const Task *t, int p0, int p1, int r0, int r1) {
                 const int32_t *xg = xr + g * G / 2;
                 for (int j = 0; j < wpg; j++) {
                     const uint32_t *v = wg + j * PANEL;
+                    const int jg = g * wpg + j;
+                    const uint32_t *hv = hb ? hp + (size_t)(jg * hb / 4) * PANEL : NULL;
+                    const int hbase = hb ? hb * 4 * (jg % (4 / hb)) : 0;
                     for (int pr = 0; pr < epw / 2; pr++) {
                         int32_t xp = xg[j * (epw / 2) + pr];
                         int32_t xa = (int16_t)(xp & 0xffff), xb = (int16_t)((uint32_t)xp >> 16);
@@ -86,20 +105,27 @@ static void kernel_generic(const Task *t, int p0, int p1, int r0, int r1) {
                         uint32_t m = t->bits == 4 ? 0xf : 0xff;
                         for (int c = 0; c < PANEL; c++) {
                             uint32_t u = v[c] >> sh;
-                            acc[c] += (int32_t)(u & m) * xa + (int32_t)((u >> 16) & m) * xb;
+                            int32_t lo = (int32_t)(u & m), hi = (int32_t)((u >> 16) & m);
+                            if (hv) {
+                                uint32_t h = hv[c] >> (hbase + hb * pr);
+                                lo |= (int32_t)((h & hm) << 4);
+                                hi |= (int32_t)(((h >> 16) & hm) << 4);
+                            }
+                            acc[c] += lo * xa + hi * xb;
                         }
                     }
                 }
                 size_t so = ((size_t)p * ng + g) * PANEL;
                 float d = t->xd[(size_t)r * ng + g], sx = t->xs[(size_t)r * ng + g];
+                size_t dofs = ((size_t)p * (K / 256) + g * G / 256) * PANEL;
                 for (int c = 0; c < PANEL; c++) {
                     float s, b;
-                    if (t->f16) {
-                        s = f16_to_f32(((const uint16_t *)t->scales)[so + c]);
-                        b = f16_to_f32(((const uint16_t *)t->biases)[so + c]);
+                    if (t->kq) {
+                        s = load_scale(t->scales, dofs + c, t->f16) * (float)t->ksc[so + c];
+                        b = load_scale(t->biases, dofs + c, t->f16) * (float)t->km[so + c];
                     } else {
-                        s = ((const float *)t->scales)[so + c];
-                        b = ((const float *)t->biases)[so + c];
+                        s = load_scale(t->scales, so + c, t->f16);
+                        b = load_scale(t->biases, so + c, t->f16);
                     }
                     facc[c] += (float)acc[c] * (s * d) + b * sx;
                 }
@@ -117,8 +143,11 @@ static void kernel_generic(const Task *t, int p0, int p1, int r0, int r1) {
 
 static inline AVX512_TARGET __attribute__((always_inline)) void
 avx512_rows(const Task *t, int p, int r0, const int RB) {
-    const int K = t->K, G = t->group, ng = K / G, bits = t->bits, epw = 32 / bits, wpg = G / epw;
+    const int K = t->K, G = t->group, ng = K / G, bits = t->bits, epw = 32 / bits, wpg = G / epw, hb = t->hbits;
     const uint32_t *wp = t->w + (size_t)p * (K / epw) * PANEL;
+    const uint32_t *hp = hb ? t->hw + (size_t)p * (K * hb / 32) * PANEL : NULL;
+    const __m512i hm = _mm512_set1_epi32(hb == 1 ? 0x00010001 : 0x00030003);
+    const __m128i h1 = _mm_cvtsi32_si128(hb), h2 = _mm_cvtsi32_si128(2 * hb), h3 = _mm_cvtsi32_si128(3 * hb);
     __m512 facc[8];
     for (int r = 0; r < RB; r++) facc[r] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi32(0x000f000f), m8 = _mm512_set1_epi32(0x00ff00ff);
@@ -140,6 +169,15 @@ avx512_rows(const Task *t, int p, int r0, const int RB) {
                 __m512i w1 = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);
                 __m512i w2 = _mm512_and_si512(_mm512_srli_epi32(v, 8), m4);
                 __m512i w3 = _mm512_and_si512(_mm512_srli_epi32(v, 12), m4);
+                if (hb) {
+                    const int jg = g * wpg + j;
+                    __m512i h = _mm512_loadu_si512(hp + (size_t)(jg * hb / 4) * PANEL);
+                    h = _mm512_srl_epi32(h, _mm_cvtsi32_si128(hb * 4 * (jg % (4 / hb))));
+                    w0 = _mm512_or_si512(w0, _mm512_slli_epi32(_mm512_and_si512(h, hm), 4));
+                    w1 = _mm512_or_si512(w1, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, h1), hm), 4));
+                    w2 = _mm512_or_si512(w2, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, h2), hm), 4));
+                    w3 = _mm512_or_si512(w3, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, h3), hm), 4));
+                }
                 for (int r = 0; r < RB; r++) {
                     const int32_t *x = xg + r * xstride + 4 * j;
                     acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], w0, _mm512_set1_epi32(x[0]));
@@ -165,7 +203,19 @@ avx512_rows(const Task *t, int p, int r0, const int RB) {
             for (int a = 1; a < NA; a++) acc[r][0] = _mm512_add_epi32(acc[r][0], acc[r][a]);
         size_t so = ((size_t)p * ng + g) * PANEL;
         __m512 s, b;
-        if (t->f16) {
+        if (t->kq) {
+            size_t dofs = ((size_t)p * (K / 256) + g * G / 256) * PANEL;
+            __m512 dd, dm;
+            if (t->f16) {
+                dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->scales + dofs)));
+                dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->biases + dofs)));
+            } else {
+                dd = _mm512_loadu_ps((const float *)t->scales + dofs);
+                dm = _mm512_loadu_ps((const float *)t->biases + dofs);
+            }
+            s = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t->ksc + so)))));
+            b = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t->km + so)))));
+        } else if (t->f16) {
             s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->scales + so)));
             b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->biases + so)));
         } else {
@@ -210,8 +260,11 @@ static inline AVX2_TARGET __attribute__((always_inline)) __m256i madd_acc(__m256
 
 static inline AVX2_TARGET __attribute__((always_inline)) void
 avx2_rows(const Task *t, int p, int r0, const int RB) {
-    const int K = t->K, G = t->group, ng = K / G, bits = t->bits, epw = 32 / bits, wpg = G / epw;
+    const int K = t->K, G = t->group, ng = K / G, bits = t->bits, epw = 32 / bits, wpg = G / epw, hb = t->hbits;
     const uint32_t *wp = t->w + (size_t)p * (K / epw) * PANEL;
+    const uint32_t *hp = hb ? t->hw + (size_t)p * (K * hb / 32) * PANEL : NULL;
+    const __m256i hm = _mm256_set1_epi32(hb == 1 ? 0x00010001 : 0x00030003);
+    const __m128i h1 = _mm_cvtsi32_si128(hb), h2 = _mm_cvtsi32_si128(2 * hb), h3 = _mm_cvtsi32_si128(3 * hb);
     __m256 facc[4][2];
     for (int r = 0; r < RB; r++) facc[r][0] = facc[r][1] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi32(0x000f000f), m8 = _mm256_set1_epi32(0x00ff00ff);
@@ -229,6 +282,15 @@ avx2_rows(const Task *t, int p, int r0, const int RB) {
                     __m256i w1 = _mm256_and_si256(_mm256_srli_epi32(v, 4), m4);
                     __m256i w2 = _mm256_and_si256(_mm256_srli_epi32(v, 8), m4);
                     __m256i w3 = _mm256_and_si256(_mm256_srli_epi32(v, 12), m4);
+                    if (hb) {
+                        const int jg = g * wpg + j;
+                        __m256i u = _mm256_loadu_si256((const __m256i *)(hp + (size_t)(jg * hb / 4) * PANEL + 8 * h));
+                        u = _mm256_srl_epi32(u, _mm_cvtsi32_si128(hb * 4 * (jg % (4 / hb))));
+                        w0 = _mm256_or_si256(w0, _mm256_slli_epi32(_mm256_and_si256(u, hm), 4));
+                        w1 = _mm256_or_si256(w1, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(u, h1), hm), 4));
+                        w2 = _mm256_or_si256(w2, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(u, h2), hm), 4));
+                        w3 = _mm256_or_si256(w3, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(u, h3), hm), 4));
+                    }
                     for (int r = 0; r < RB; r++) {
                         const int32_t *x = xg + r * xstride + 4 * j;
                         __m256i a = madd_acc(acc[r][h], w0, x[0]);
@@ -249,7 +311,19 @@ avx2_rows(const Task *t, int p, int r0, const int RB) {
         size_t so = ((size_t)p * ng + g) * PANEL;
         for (int h = 0; h < 2; h++) {
             __m256 s, b;
-            if (t->f16) {
+            if (t->kq) {
+                size_t dofs = ((size_t)p * (K / 256) + g * G / 256) * PANEL + 8 * h;
+                __m256 dd, dm;
+                if (t->f16) {
+                    dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->scales + dofs)));
+                    dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->biases + dofs)));
+                } else {
+                    dd = _mm256_loadu_ps((const float *)t->scales + dofs);
+                    dm = _mm256_loadu_ps((const float *)t->biases + dofs);
+                }
+                s = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t->ksc + so + 8 * h)))));
+                b = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t->km + so + 8 * h)))));
+            } else if (t->f16) {
                 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->scales + so + 8 * h)));
                 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->biases + so + 8 * h)));
             } else {
@@ -471,36 +545,52 @@ static int get_buf(PyObject *o, Py_buffer *b, int writable) {
     return PyObject_GetBuffer(o, b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_STRIDES | PyBUF_FORMAT);
 }
 
-/* gemm(x, w, scales, biases, out, N, bits, group, f16): out[:, :N] = x @ W.T.
-   x float32 [R, K] C-contiguous; out float32 [R, >=N] with unit column stride. */
+/* gemm(x, w, scales, biases, out, N, bits, group, f16[, hi, hbits, sc, m]): out[:, :N] = x @ W.T.
+   x float32 [R, K] C-contiguous; out float32 [R, >=N] with unit column stride. With the four
+   extra arguments the segment is a K-quant one: scales and biases are d and dmin, sc and m the
+   int8 group scales and mins, hi the high-bit plane (None where hbits is 0). */
 static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "gemm takes 9 arguments");
+    if (nargs != 9 && nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "gemm takes 9 or 13 arguments");
         return NULL;
     }
+    const int kq = nargs == 13;
     long N = PyLong_AsLong(args[5]), bits = PyLong_AsLong(args[6]), group = PyLong_AsLong(args[7]);
+    long hbits = kq ? PyLong_AsLong(args[10]) : 0;
     int f16 = PyObject_IsTrue(args[8]);
     if (PyErr_Occurred()) return NULL;
-    Py_buffer bx, bw, bs, bb, bo;
-    if (get_buf(args[0], &bx, 0) < 0) return NULL;
-    if (get_buf(args[1], &bw, 0) < 0) goto fail_x;
-    if (get_buf(args[2], &bs, 0) < 0) goto fail_w;
-    if (get_buf(args[3], &bb, 0) < 0) goto fail_s;
-    if (get_buf(args[4], &bo, 1) < 0) goto fail_b;
-    if (bx.ndim != 2 || strcmp(bx.format, "f") || strcmp(bo.format, "f") || bx.strides[1] != 4 || bx.strides[0] != bx.shape[1] * 4 || bo.ndim != 2 ||
-        bo.itemsize != 4 || bo.strides[1] != 4 || bo.shape[0] != bx.shape[0] || bo.shape[1] < N || (bits != 4 && bits != 8) ||
-        group % 32 || bx.shape[1] % group) {
-        PyErr_SetString(PyExc_ValueError, "gemm: bad shapes, strides or parameters");
-        goto fail_o;
+    /* x, w, scales, biases, out, then for K-quants sc, m and hi */
+    Py_buffer b[8];
+    PyObject *src[8] = {args[0], args[1], args[2], args[3], args[4], NULL, NULL, NULL};
+    int n = 5;
+    if (kq) {
+        src[n++] = args[11];
+        src[n++] = args[12];
+        if (hbits) src[n++] = args[9];
     }
+    int held = 0;
+    for (; held < n; held++)
+        if (get_buf(src[held], &b[held], held == 4) < 0) goto fail;
     {
-        int R = (int)bx.shape[0], K = (int)bx.shape[1];
+        Py_buffer *bx = &b[0], *bo = &b[4];
+        if (bx->ndim != 2 || strcmp(bx->format, "f") || strcmp(bo->format, "f") || bx->strides[1] != 4 ||
+            bx->strides[0] != bx->shape[1] * 4 || bo->ndim != 2 || bo->itemsize != 4 || bo->strides[1] != 4 ||
+            bo->shape[0] != bx->shape[0] || bo->shape[1] < N || (bits != 4 && bits != 8) || bx->shape[1] % group ||
+            (kq ? bits != 4 || hbits < 0 || hbits > 2 || (group != 16 && group != 32) || bx->shape[1] % 256
+                : group % 32)) {
+            PyErr_SetString(PyExc_ValueError, "gemm: bad shapes, strides or parameters");
+            goto fail;
+        }
+        int R = (int)bx->shape[0], K = (int)bx->shape[1];
         int panels = (int)((N + PANEL - 1) / PANEL);
-        size_t need_w = (size_t)panels * K * bits / 8, need_s = (size_t)panels * (K / group) * PANEL * (f16 ? 2 : 4);
-        if ((size_t)bw.len < need_w || (size_t)bs.len < need_s || (size_t)bb.len < need_s) {
+        size_t need_w = (size_t)panels * K * bits / 8;
+        size_t need_s = (size_t)panels * (K / (kq ? 256 : group)) * PANEL * (f16 ? 2 : 4);
+        size_t need_k = (size_t)panels * (K / group) * PANEL, need_h = (size_t)panels * K * hbits / 8;
+        if ((size_t)b[1].len < need_w || (size_t)b[2].len < need_s || (size_t)b[3].len < need_s ||
+            (kq && ((size_t)b[5].len < need_k || (size_t)b[6].len < need_k || (hbits && (size_t)b[7].len < need_h)))) {
             PyErr_SetString(PyExc_ValueError, "gemm: packed weight buffers too small for the shape");
-            goto fail_o;
+            goto fail;
         }
         int err = 0;
         Py_BEGIN_ALLOW_THREADS
@@ -509,22 +599,27 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             err = 1;
         } else if (R > 0 && N > 0) {
             float *xd = g_xd, *xs = g_xd + (size_t)R * (K / group);
-            quantize_rows((const float *)bx.buf, R, K, (int)group, g_xq, xd, xs);
+            quantize_rows((const float *)bx->buf, R, K, (int)group, g_xq, xd, xs);
             Task *t = &g_task;
-            t->w = (const uint32_t *)bw.buf;
-            t->scales = bs.buf;
-            t->biases = bb.buf;
+            t->w = (const uint32_t *)b[1].buf;
+            t->scales = b[2].buf;
+            t->biases = b[3].buf;
             t->xq = g_xq;
             t->xd = xd;
             t->xs = xs;
-            t->out = (float *)bo.buf;
-            t->ldo = bo.strides[0] / 4;
+            t->out = (float *)bo->buf;
+            t->ldo = bo->strides[0] / 4;
             t->R = R;
             t->K = K;
             t->N = (int)N;
             t->bits = (int)bits;
             t->group = (int)group;
             t->f16 = f16;
+            t->kq = kq;
+            t->ksc = kq ? (const int8_t *)b[5].buf : NULL;
+            t->km = kq ? (const int8_t *)b[6].buf : NULL;
+            t->hbits = (int)hbits;
+            t->hw = hbits ? (const uint32_t *)b[7].buf : NULL;
             t->panels = panels;
             run_task();
         }
@@ -532,25 +627,13 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         Py_END_ALLOW_THREADS
         if (err) {
             PyErr_NoMemory();
-            goto fail_o;
+            goto fail;
         }
     }
-    PyBuffer_Release(&bo);
-    PyBuffer_Release(&bb);
-    PyBuffer_Release(&bs);
-    PyBuffer_Release(&bw);
-    PyBuffer_Release(&bx);
+    while (held > 0) PyBuffer_Release(&b[--held]);
     Py_RETURN_NONE;
-fail_o:
-    PyBuffer_Release(&bo);
-fail_b:
-    PyBuffer_Release(&bb);
-fail_s:
-    PyBuffer_Release(&bs);
-fail_w:
-    PyBuffer_Release(&bw);
-fail_x:
-    PyBuffer_Release(&bx);
+fail:
+    while (held > 0) PyBuffer_Release(&b[--held]);
     return NULL;
 }
 
@@ -642,7 +725,7 @@ static PyObject *py_isa(PyObject *self, PyObject *unused) {
 }
 
 static PyMethodDef methods[] = {
-    {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL, "gemm(x, w, scales, biases, out, N, bits, group, f16)"},
+    {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL, "gemm(x, w, scales, biases, out, N, bits, group, f16[, hi, hbits, sc, m])"},
     {"set_num_threads", py_set_num_threads, METH_O, "Threads per call, the caller's included; returns the count in use."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads per call."},
     {"set_spin_us", py_set_spin_us, METH_O, "How long idle workers spin before sleeping, in microseconds."},

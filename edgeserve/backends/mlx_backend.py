@@ -16,6 +16,7 @@ import numpy as np
 from edgeserve.batch import Batch
 from edgeserve.metal import select_attention
 from edgeserve.quant.affine import QuantizedTensor
+from edgeserve.quant.kquants import KQuantTensor
 
 
 @dataclass
@@ -99,6 +100,7 @@ class MLXBackend:
         return mx.array(a).astype(self.dtype)
 
     def _weight(self, w: Any) -> QuantizedWeight | DenseWeight:
+        w = _mlx_form(w)
         if isinstance(w, QuantizedTensor):
             q = QuantizedWeight(mx.array(w.weight), self._scales(w.scales), self._scales(w.biases), w.bits, w.group_size)
             mx.eval(q.weight, q.scales, q.biases)
@@ -118,7 +120,7 @@ class MLXBackend:
     def linear(self, parts: list[Any]) -> Linear:
         """Concatenate the rows of neighbouring parts stored alike, so q/k/v or gate/up is one matmul."""
         groups: list[list[Any]] = []
-        for p in parts:
+        for p in map(_mlx_form, parts):
             if groups and _storage(groups[-1][0]) == _storage(p):
                 groups[-1].append(p)
             else:
@@ -215,6 +217,13 @@ class MLXBackend:
 
     def paged_attention(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: MLXMeta) -> mx.array:
         return self.attention.run(q, k_cache, v_cache, meta.attention)
+
+
+def _mlx_form(w: Any) -> Any:
+    """A GGUF K-quant as MLX affine groups where MLX has them (Q4_K, Q5_K), else as float32."""
+    if isinstance(w, KQuantTensor):
+        return w.to_affine() or w.dequantize(np.float32)
+    return w
 
 
 def _storage(w: Any) -> tuple:

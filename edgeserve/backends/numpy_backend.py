@@ -31,8 +31,10 @@ from edgeserve.backends.qmatmul import QMatrix
 from edgeserve.batch import Batch
 from edgeserve.errors import EdgeserveError
 from edgeserve.quant.affine import QuantizedTensor
+from edgeserve.quant.kquants import KQuantTensor
 
 WEIGHT_MODES = ("float32", "quantized")
+QUANTIZED = (QuantizedTensor, KQuantTensor)  # weights the kernels compute from as stored
 
 # OpenBLAS's threads spin for a while after each call: beside the kernels' own thread pool on the
 # same cores, a 512-token prefill ran 5x slower. Each backend sets the BLAS threads it wants per step.
@@ -42,7 +44,7 @@ _blas_threads: int | None = None
 
 def as_float32(w: Any) -> np.ndarray:
     """A weight as a float32 array, dequantizing where it is stored quantized."""
-    if isinstance(w, QuantizedTensor):
+    if isinstance(w, QUANTIZED):
         return w.dequantize(np.float32)
     return np.ascontiguousarray(w, dtype=np.float32)
 
@@ -57,8 +59,8 @@ def resident_weight_bytes(model: Any, mode: str) -> int:
     _check_mode(mode)
     total = 0
     for w in model.weights.values():
-        if mode == "quantized" and isinstance(w, QuantizedTensor):
-            total += w.weight.nbytes + w.scales.nbytes + w.biases.nbytes
+        if mode == "quantized" and isinstance(w, QUANTIZED):
+            total += qmatmul.quantized_nbytes(w)
         else:
             total += 4 * int(np.prod(w.shape))
     if mode == "float32" and "lm_head.weight" not in model.weights:
@@ -69,7 +71,7 @@ def resident_weight_bytes(model: Any, mode: str) -> int:
 def choose_weights_mode(model: Any, available_bytes: int) -> str:
     """'quantized' for a quantized model where the compiled kernels run; otherwise 'float32' when
     its copies take at most half of `available_bytes` (BLAS beats the numba fallback), else 'quantized'."""
-    quantized = any(isinstance(w, QuantizedTensor) for w in model.weights.values())
+    quantized = any(isinstance(w, QUANTIZED) for w in model.weights.values())
     if quantized and qmatmul.compiled():
         return "quantized"
     return "float32" if 2 * resident_weight_bytes(model, "float32") <= available_bytes else "quantized"
@@ -118,7 +120,7 @@ class NumpyBackend:
         return as_float32(w)
 
     def embedding(self, w: Any) -> np.ndarray | QMatrix:
-        if self.weights == "quantized" and isinstance(w, QuantizedTensor):
+        if self.weights == "quantized" and isinstance(w, QUANTIZED):
             return qmatmul.prepare([w])
         return as_float32(w)
 
@@ -128,8 +130,8 @@ class NumpyBackend:
 
     def linear(self, parts: list[Any]) -> np.ndarray | QMatrix:
         """Fuse weights sharing an input (q/k/v, gate/up) into one matrix: one kernel call or GEMM each."""
-        if self.weights == "quantized" and any(isinstance(p, QuantizedTensor) for p in parts):
-            return qmatmul.prepare([p if isinstance(p, QuantizedTensor) else as_float32(p) for p in parts])
+        if self.weights == "quantized" and any(isinstance(p, QUANTIZED) for p in parts):
+            return qmatmul.prepare([p if isinstance(p, QUANTIZED) else as_float32(p) for p in parts])
         return np.ascontiguousarray(np.concatenate([as_float32(p) for p in parts], axis=0).T)
 
     def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> tuple[np.ndarray, np.ndarray]:

@@ -19,6 +19,12 @@ kernel runs on the same layout with float32 activations (a panel dequantized to 
 vectorized dot products): exact to float32 rounding, but several times slower than the C
 kernels, a fallback for correctness rather than speed.
 
+GGUF K-quants (Q4_K, Q5_K, Q6_K) keep their two-level scales: 4-bit panels as above, a second
+plane of uint32 words [K * hbits / 32, 16] per panel with the 5th (Q5_K) or 5th and 6th (Q6_K)
+bits, int8 group scales sc and mins m [panels, K / group, 16] (Q6_K's m is its sc, stored once)
+and d, dmin [panels, K / 256, 16]; the kernel forms a group's scale d * sc and bias dmin * m.
+That is 4.625, 5.625 and 6.625 bits per weight against GGUF's 4.5, 5.5 and 6.5625.
+
 Widths other than 4 and 8 bits are repacked to 8 bits at load time (exact, but 8/bits times
 the bytes); float parts are kept as float32 [K, n] and multiplied by BLAS.
 """
@@ -28,11 +34,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import gguf
 import numba
 import numpy as np
 from numba import njit, prange
 
 from edgeserve.quant.affine import QuantizedTensor, unpack
+from edgeserve.quant.kquants import Q6_K_OFFSET, SUPER, KQuantTensor
 
 try:
     from edgeserve.backends import _qmatmul as _ext
@@ -46,6 +54,11 @@ _NIBBLE_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
 _BYTE_ORDER = np.array([0, 2, 1, 3])
 # Shift that brings element e of a k-chunk to the bottom of its word.
 _SHIFTS = {4: np.argsort(_NIBBLE_ORDER).astype(np.uint32) * 4, 8: np.argsort(_BYTE_ORDER).astype(np.uint32) * 8}
+# Shift of element e of a high-bit word (32 / hbits elements): pairs of adjacent k share a bit
+# offset in the two int16 halves, the offset of the 4-bit pair they complete after one shift.
+_HI_SHIFTS = {h: np.array([h * (e // 2) + 16 * (e % 2) for e in range(32 // h)], dtype=np.uint32) for h in (1, 2)}
+
+Weight = QuantizedTensor | KQuantTensor | np.ndarray
 
 
 @dataclass
@@ -60,11 +73,25 @@ class _Segment:
     scales: np.ndarray | None = None  # float16 or float32 [panels, K / group, 16]
     biases: np.ndarray | None = None
     wt: np.ndarray | None = None  # float32 [K, stop - start]
+    # K-quants: scales and biases above are d and dmin per super-block
+    hbits: int = 0
+    hi: np.ndarray | None = None  # uint32 [panels, K * hbits / 32, 16]
+    ksc: np.ndarray | None = None  # int8 [panels, K / group, 16]
+    km: np.ndarray | None = None  # int8 like ksc; ksc itself for Q6_K
+    center: int = 0  # Q6_K: values are (d * sc) * (q - 32), which `_rows` computes in that order
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.packed, self.scales, self.biases, self.wt)
+        arrays = (self.packed, self.scales, self.biases, self.wt, self.hi, self.ksc,
+                  None if self.km is self.ksc else self.km)
         return sum(a.nbytes for a in arrays if a is not None)
+
+    def c_args(self) -> tuple[tuple, tuple]:
+        """The C kernel's arguments before and after `out` (x comes first)."""
+        tail = (self.stop - self.start, self.bits, self.group, self.scales.dtype == np.float16)
+        if self.ksc is not None:
+            tail += (self.hi, self.hbits, self.ksc, self.km)
+        return (self.packed, self.scales, self.biases), tail
 
 
 class QMatrix:
@@ -74,18 +101,23 @@ class QMatrix:
         self.segments = segments
         self.shape = (segments[-1].stop, k)
         self.nbytes = sum(s.nbytes for s in segments)
-        s = segments[0]
         # One packed segment covers nearly every real matrix: its C call arguments are kept ready.
-        self._fast = None
-        if len(segments) == 1 and s.bits:
-            self._fast = (s.packed, s.scales, s.biases, self.shape[0], s.bits, s.group, s.scales.dtype == np.float16)
+        self._fast = segments[0].c_args() if len(segments) == 1 and segments[0].bits else None
 
     def __repr__(self) -> str:
-        kinds = ", ".join(f"{s.bits}-bit g{s.group}" if s.bits else "float32" for s in self.segments)
+        kinds = ", ".join(_describe(s) for s in self.segments)
         return f"QMatrix(shape={self.shape}, {kinds}, {self.nbytes / 2**20:.1f} MiB)"
 
 
-def prepare(parts: list[QuantizedTensor | np.ndarray]) -> QMatrix:
+def _describe(s: _Segment) -> str:
+    if not s.bits:
+        return "float32"
+    if s.ksc is not None:
+        return f"K-quant {4 + s.hbits}-bit g{s.group}"
+    return f"{s.bits}-bit g{s.group}"
+
+
+def prepare(parts: list[Weight]) -> QMatrix:
     """Stack weights [n_i, K] sharing an input by rows and repack them for `qmatmul`."""
     ks = {p.shape[1] for p in parts}
     if len(ks) != 1:
@@ -93,7 +125,7 @@ def prepare(parts: list[QuantizedTensor | np.ndarray]) -> QMatrix:
     k = ks.pop()
     segments: list[_Segment] = []
     col = 0
-    run: list[QuantizedTensor | np.ndarray] = []
+    run: list[Weight] = []
     for part in parts + [None]:
         if run and (part is None or _format(part) != _format(run[0])):
             n = sum(p.shape[0] for p in run)
@@ -105,30 +137,42 @@ def prepare(parts: list[QuantizedTensor | np.ndarray]) -> QMatrix:
     return QMatrix(segments, k)
 
 
+def quantized_nbytes(w: QuantizedTensor | KQuantTensor) -> int:
+    """Bytes `prepare` holds for one quantized weight, panel padding aside."""
+    if isinstance(w, QuantizedTensor):
+        return w.weight.nbytes + w.scales.nbytes + w.biases.nbytes
+    rows, cols = w.shape
+    groups = cols // w.group_size
+    int_scales = groups if w.qtype == gguf.GGMLQuantizationType.Q6_K else 2 * groups  # Q6_K's m is its sc
+    return rows * (cols * w.bits // 8 + int_scales + 4 * (cols // SUPER))
+
+
 def qmatmul(x: np.ndarray, w: QMatrix, out: np.ndarray | None = None, impl: str | None = None) -> np.ndarray:
     """x @ W.T for x float32 [R, K] C-contiguous; impl 'c' or 'numba' overrides the default kernel."""
     if out is None:
         out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
     fast = w._fast
     if fast is not None and (impl or _IMPL) == "c":
-        _ext.gemm(x, fast[0], fast[1], fast[2], out, fast[3], fast[4], fast[5], fast[6])
+        _ext.gemm(x, *fast[0], out, *fast[1])
         return out
     for s in w.segments:
         view = out[:, s.start : s.stop]
         if not s.bits:
             np.matmul(x, s.wt, out=view)
         elif (impl or _IMPL) == "c":
-            _ext.gemm(x, s.packed, s.scales, s.biases, view, s.stop - s.start, s.bits, s.group,
-                      s.scales.dtype == np.float16)
+            head, tail = s.c_args()
+            _ext.gemm(x, *head, view, *tail)
+        elif s.ksc is not None:
+            _numba_kgemm(x, s, view)
         else:
             _numba_gemm(x, s, view)
     return out
 
 
-def qembed(w: QMatrix | QuantizedTensor, ids: np.ndarray) -> np.ndarray:
+def qembed(w: QMatrix | QuantizedTensor | KQuantTensor, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` of W as float32 [len(ids), K]: an embedding lookup from quantized storage."""
     ids = np.asarray(ids, dtype=np.int64)
-    if isinstance(w, QuantizedTensor):
+    if isinstance(w, (QuantizedTensor, KQuantTensor)):
         return w.take_rows(ids).dequantize(np.float32)
     out = np.empty((len(ids), w.shape[1]), dtype=np.float32)
     for s in w.segments:
@@ -168,19 +212,25 @@ def compile_now() -> None:
             q = QuantizedTensor(np.zeros((1, bits), np.uint32), np.zeros((1, 1), np.float16),
                                 np.zeros((1, 1), np.float16), bits, 32)
             qmatmul(np.zeros((1, 32), np.float32), prepare([q]), impl="numba")
+        kq = KQuantTensor(np.zeros((1, 210), np.uint8), gguf.GGMLQuantizationType.Q6_K, SUPER)
+        qmatmul(np.zeros((1, SUPER), np.float32), prepare([kq]), impl="numba")
 
 
 # ---- load-time repacking ----
 
 
-def _format(p: QuantizedTensor | np.ndarray) -> tuple[int, int]:
+def _format(p: Weight) -> tuple:
+    if isinstance(p, KQuantTensor):
+        return ("K", p.qtype)
     if isinstance(p, QuantizedTensor):
         return (p.bits if p.bits in (4, 8) else 8, p.group_size)
     return (0, 0)
 
 
-def _pack(parts: list[QuantizedTensor | np.ndarray], start: int, stop: int) -> _Segment:
+def _pack(parts: list[Weight], start: int, stop: int) -> _Segment:
     """One segment from parts of one format: float32 transposed, or panels of packed words."""
+    if isinstance(parts[0], KQuantTensor):
+        return _pack_kquants(parts, start, stop)
     bits, group = _format(parts[0])
     if not bits:
         wt = np.concatenate([np.asarray(p, dtype=np.float32) for p in parts]).T
@@ -194,12 +244,47 @@ def _pack(parts: list[QuantizedTensor | np.ndarray], start: int, stop: int) -> _
     for p in parts:
         q[row : row + p.shape[0]] = unpack(p.weight, p.bits)
         row += p.shape[0]
+    packed = _panel_words(q, bits, panels)
+    return _Segment(start, stop, bits, group, packed, *_panel_scales(scales, biases, panels))
+
+
+def _pack_kquants(parts: list[KQuantTensor], start: int, stop: int) -> _Segment:
+    """One segment from K-quant parts of one type: 4-bit panels, a high-bit plane, two-level scales."""
+    n, k = stop - start, parts[0].shape[1]
+    panels = -(-n // PANEL)
+    planes = [p.planes() for p in parts]
+    q = np.zeros((panels * PANEL, k), dtype=np.uint8)
+    q[:n] = np.concatenate([pl.q for pl in planes])
+    hbits = parts[0].bits - 4
+    hi = None
+    if hbits:
+        per_word = 32 // hbits
+        chunks = (q >> 4).reshape(panels, PANEL, k // per_word, per_word).astype(np.uint32)
+        words = np.bitwise_or.reduce(chunks << _HI_SHIFTS[hbits], axis=-1)
+        hi = np.ascontiguousarray(words.transpose(0, 2, 1))
+    ksc = _panel_ints([pl.sc for pl in planes], panels)
+    km = ksc if planes[0].m is None else _panel_ints([pl.m for pl in planes], panels)
+    d, dmin = _panel_scales([pl.d for pl in planes], [pl.dmin for pl in planes], panels)
+    center = Q6_K_OFFSET if planes[0].m is None else 0
+    return _Segment(start, stop, 4, parts[0].group_size, _panel_words(q & np.uint8(0x0F), 4, panels), d, dmin,
+                    hbits=hbits, hi=hi, ksc=ksc, km=km, center=center)
+
+
+def _panel_words(q: np.ndarray, bits: int, panels: int) -> np.ndarray:
+    """Unsigned integers [panels * 16, K] as panels of words [panels, K * bits / 32, 16]."""
     epw = 32 // bits
     order = _NIBBLE_ORDER if bits == 4 else _BYTE_ORDER
-    chunks = q.reshape(panels, PANEL, k // epw, epw)[..., order].astype(np.uint32)
+    chunks = q.reshape(panels, PANEL, q.shape[1] // epw, epw)[..., order].astype(np.uint32)
     words = np.bitwise_or.reduce(chunks << (np.arange(epw, dtype=np.uint32) * bits), axis=-1)
-    packed = np.ascontiguousarray(words.transpose(0, 2, 1))
-    return _Segment(start, stop, bits, group, packed, _panel_scales(scales, panels), _panel_scales(biases, panels))
+    return np.ascontiguousarray(words.transpose(0, 2, 1))
+
+
+def _panel_ints(parts: list[np.ndarray], panels: int) -> np.ndarray:
+    """int8 [rows, groups] per part -> [panels, groups, 16]."""
+    a = np.concatenate(parts)
+    padded = np.zeros((panels * PANEL, a.shape[1]), dtype=np.int8)
+    padded[: len(a)] = a
+    return np.ascontiguousarray(padded.reshape(panels, PANEL, -1).transpose(0, 2, 1))
 
 
 def _float_scales(a: np.ndarray) -> np.ndarray:
@@ -208,15 +293,19 @@ def _float_scales(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _panel_scales(parts: list[np.ndarray], panels: int) -> np.ndarray:
-    """[rows, groups] per part -> [panels, groups, 16], float16 when every value is exactly one."""
-    a = np.concatenate([p.astype(np.float32) for p in parts])
+def _panel_scales(scales: list[np.ndarray], biases: list[np.ndarray], panels: int) -> tuple[np.ndarray, np.ndarray]:
+    """[rows, groups] per part -> [panels, groups, 16] each, float16 when every value of both is
+    exactly one (the kernel takes one dtype for the two)."""
+    pair = [np.concatenate([p.astype(np.float32) for p in parts]) for parts in (scales, biases)]
     with np.errstate(over="ignore"):
-        half = a.astype(np.float16)
-    dtype = np.float16 if np.array_equal(half.astype(np.float32), a) else np.float32
-    padded = np.zeros((panels * PANEL, a.shape[1]), dtype=dtype)
-    padded[: len(a)] = a
-    return np.ascontiguousarray(padded.reshape(panels, PANEL, -1).transpose(0, 2, 1))
+        exact = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in pair)
+    dtype = np.float16 if exact else np.float32
+    out = []
+    for a in pair:
+        padded = np.zeros((panels * PANEL, a.shape[1]), dtype=dtype)
+        padded[: len(a)] = a
+        out.append(np.ascontiguousarray(padded.reshape(panels, PANEL, -1).transpose(0, 2, 1)))
+    return out[0], out[1]
 
 
 def _rows(s: _Segment, rows: np.ndarray) -> np.ndarray:
@@ -226,10 +315,31 @@ def _rows(s: _Segment, rows: np.ndarray) -> np.ndarray:
     panel, lane = rows // PANEL, rows % PANEL
     words = s.packed[panel, :, lane]  # [n, K / epw]
     q = (words[:, :, None] >> _SHIFTS[s.bits]) & np.uint32((1 << s.bits) - 1)
+    if s.ksc is not None:
+        return _kquant_rows(s, panel, lane, q.reshape(len(rows), -1))
     q = q.reshape(len(rows), -1, s.group).astype(np.float32)
     scale = s.scales[panel, :, lane].astype(np.float32)[:, :, None]
     bias = s.biases[panel, :, lane].astype(np.float32)[:, :, None]
     return (q * scale + bias).reshape(len(rows), -1)
+
+
+def _kquant_rows(s: _Segment, panel: np.ndarray, lane: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """Rows of a K-quant segment, with gguf's float32 operations in gguf's order (so bit-exact)."""
+    n = len(panel)
+    q = low
+    if s.hbits:
+        words = s.hi[panel, :, lane]  # [n, K * hbits / 32]
+        high = (words[:, :, None] >> _HI_SHIFTS[s.hbits]) & np.uint32((1 << s.hbits) - 1)
+        q = q | (high.reshape(n, -1) << np.uint32(4))
+    per_super = SUPER // s.group
+    d = np.repeat(s.scales[panel, :, lane].astype(np.float32), per_super, axis=1)
+    scale = (d * s.ksc[panel, :, lane].astype(np.float32))[:, :, None]
+    q = q.reshape(n, -1, s.group).astype(np.float32)
+    if s.center:
+        return (scale * (q - np.float32(s.center))).reshape(n, -1)
+    dmin = np.repeat(s.biases[panel, :, lane].astype(np.float32), per_super, axis=1)
+    bias = (dmin * s.km[panel, :, lane].astype(np.float32))[:, :, None]
+    return (scale * q + bias).reshape(n, -1)
 
 
 # ---- numba fallback: same layout, float32 activations ----
@@ -274,6 +384,45 @@ def _gemm(x, packed, h_scales, h_biases, f_scales, f_biases, half, half_table, o
                     word = packed[p, j, c]
                     for e in range(epw):
                         dst[j * epw + e] = np.float32((word >> shifts[e]) & mask) * sc + bi
+        for r in range(rows):
+            xr = x[r]
+            for c in range(min(lanes, n - p * lanes)):
+                src = wt[c]
+                total = np.float32(0)
+                for kk in range(k):
+                    total += src[kk] * xr[kk]
+                out[r, p * lanes + c] = total
+
+
+def _numba_kgemm(x: np.ndarray, s: _Segment, out: np.ndarray) -> None:
+    hi = s.hi if s.hbits else _NO_WORDS
+    _kgemm(x, s.packed, hi, s.hbits, s.ksc, s.km, s.scales.astype(np.float32), s.biases.astype(np.float32),
+           out, s.stop - s.start, s.group, _SHIFTS[4], _HI_SHIFTS.get(s.hbits, _NO_SHIFTS))
+
+
+_NO_WORDS = np.zeros((0, 0, PANEL), np.uint32)
+_NO_SHIFTS = np.zeros(0, np.uint32)
+
+
+@njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def _kgemm(x, packed, hi, hbits, ksc, km, d, dmin, out, n, group, shifts, hi_shifts):
+    rows, k = x.shape
+    per_word = 32 // hbits if hbits else 1
+    hmask = (1 << hbits) - 1
+    lanes = packed.shape[2]
+    for p in prange(packed.shape[0]):
+        wt = np.empty((lanes, k), dtype=np.float32)
+        for g in range(k // group):
+            sb = g * group // 256
+            for c in range(lanes):
+                sc = d[p, sb, c] * np.float32(ksc[p, g, c])
+                bi = dmin[p, sb, c] * np.float32(km[p, g, c])
+                dst = wt[c]
+                for kk in range(g * group, (g + 1) * group):
+                    q = (packed[p, kk // 8, c] >> shifts[kk % 8]) & 15
+                    if hbits:
+                        q |= ((hi[p, kk // per_word, c] >> hi_shifts[kk % per_word]) & hmask) << 4
+                    dst[kk] = np.float32(q) * sc + bi
         for r in range(rows):
             xr = x[r]
             for c in range(min(lanes, n - p * lanes)):
