@@ -14,7 +14,8 @@ int8 sc and m [panels, K / group, 16] and float16/float32 d and dmin [panels, K 
 as scales and biases), a group's scale and bias being d * sc and dmin * m. Their 5th and 6th bits
 (hbits = 1 or 2) sit in a second plane of uint32 words [K * hbits / 32, 16] per panel, a word
 holding 32 / hbits consecutive k: pair p (k0 + 2p, k0 + 2p + 1) at bits hbits * p of the low and
-high int16 halves, so one shift and mask lines them up with the 4-bit pairs, then << 4.
+high int16 halves, so one shift and mask line them up with the 4-bit pairs, then << 4. The
+groups (32 for Q5_K, 16 for Q6_K) make one high-bit word each.
 
 Kernel: each row of x is quantized per weight group to int16 (scale = max|x| / 32767, an error
 below 2^-16 of the group's largest value, far inside float32 model noise) and its float sum per
@@ -141,13 +142,20 @@ static void kernel_generic(const Task *t, int p0, int p1, int r0, int r1) {
 
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
+/* The high-bit word shifted so that the bits at `s` land at bit 4 (s a constant once unrolled). */
+static inline AVX512_TARGET __attribute__((always_inline)) __m512i hi_at4_512(__m512i h, const int s) {
+    return s >= 4 ? _mm512_srli_epi32(h, s - 4) : _mm512_slli_epi32(h, 4 - s);
+}
+
+/* HB: the segment's high bits (0, or 1 / 2 for K-quants), a constant per instance. With high bits a
+   group's are one word (32 x 1 bit for Q5_K, 16 x 2 bits for Q6_K), so its shifts are constants. */
 static inline AVX512_TARGET __attribute__((always_inline)) void
-avx512_rows(const Task *t, int p, int r0, const int RB) {
-    const int K = t->K, G = t->group, ng = K / G, bits = t->bits, epw = 32 / bits, wpg = G / epw, hb = t->hbits;
+avx512_rows(const Task *t, int p, int r0, const int RB, const int HB) {
+    const int K = t->K, G = t->group, ng = K / G, bits = t->bits, epw = 32 / bits, wpg = G / epw;
     const uint32_t *wp = t->w + (size_t)p * (K / epw) * PANEL;
-    const uint32_t *hp = hb ? t->hw + (size_t)p * (K * hb / 32) * PANEL : NULL;
-    const __m512i hm = _mm512_set1_epi32(hb == 1 ? 0x00010001 : 0x00030003);
-    const __m128i h1 = _mm_cvtsi32_si128(hb), h2 = _mm_cvtsi32_si128(2 * hb), h3 = _mm_cvtsi32_si128(3 * hb);
+    const uint32_t *hp = HB ? t->hw + (size_t)p * (K * HB / 32) * PANEL : NULL;
+    /* vpternlogd 0xf8: a | (b & c) */
+    const __m512i hm4 = _mm512_set1_epi32(HB == 1 ? 0x00100010 : 0x00300030);
     __m512 facc[8];
     for (int r = 0; r < RB; r++) facc[r] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi32(0x000f000f), m8 = _mm512_set1_epi32(0x00ff00ff);
@@ -162,22 +170,33 @@ avx512_rows(const Task *t, int p, int r0, const int RB) {
         const uint32_t *wg = wp + (size_t)g * wpg * PANEL;
         const int32_t *xg = (const int32_t *)(t->xq + (size_t)r0 * K) + g * G / 2;
         const int xstride = K / 2;
-        if (bits == 4) {
+        if (HB) {
+            const __m512i h = _mm512_loadu_si512(hp + (size_t)g * PANEL);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4 / HB; j++) {
+                __m512i v = _mm512_loadu_si512(wg + j * PANEL);
+                __m512i w0 = _mm512_ternarylogic_epi32(_mm512_and_si512(v, m4), hi_at4_512(h, HB * 4 * j), hm4, 0xf8);
+                __m512i w1 = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 4), m4),
+                                                       hi_at4_512(h, HB * (4 * j + 1)), hm4, 0xf8);
+                __m512i w2 = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8), m4),
+                                                       hi_at4_512(h, HB * (4 * j + 2)), hm4, 0xf8);
+                __m512i w3 = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 12), m4),
+                                                       hi_at4_512(h, HB * (4 * j + 3)), hm4, 0xf8);
+                for (int r = 0; r < RB; r++) {
+                    const int32_t *x = xg + r * xstride + 4 * j;
+                    acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], w0, _mm512_set1_epi32(x[0]));
+                    acc[r][1 % NA] = _mm512_dpwssd_epi32(acc[r][1 % NA], w1, _mm512_set1_epi32(x[1]));
+                    acc[r][2 % NA] = _mm512_dpwssd_epi32(acc[r][2 % NA], w2, _mm512_set1_epi32(x[2]));
+                    acc[r][3 % NA] = _mm512_dpwssd_epi32(acc[r][3 % NA], w3, _mm512_set1_epi32(x[3]));
+                }
+            }
+        } else if (bits == 4) {
             for (int j = 0; j < wpg; j++) {
                 __m512i v = _mm512_loadu_si512(wg + j * PANEL);
                 __m512i w0 = _mm512_and_si512(v, m4);
                 __m512i w1 = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);
                 __m512i w2 = _mm512_and_si512(_mm512_srli_epi32(v, 8), m4);
                 __m512i w3 = _mm512_and_si512(_mm512_srli_epi32(v, 12), m4);
-                if (hb) {
-                    const int jg = g * wpg + j;
-                    __m512i h = _mm512_loadu_si512(hp + (size_t)(jg * hb / 4) * PANEL);
-                    h = _mm512_srl_epi32(h, _mm_cvtsi32_si128(hb * 4 * (jg % (4 / hb))));
-                    w0 = _mm512_or_si512(w0, _mm512_slli_epi32(_mm512_and_si512(h, hm), 4));
-                    w1 = _mm512_or_si512(w1, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, h1), hm), 4));
-                    w2 = _mm512_or_si512(w2, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, h2), hm), 4));
-                    w3 = _mm512_or_si512(w3, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, h3), hm), 4));
-                }
                 for (int r = 0; r < RB; r++) {
                     const int32_t *x = xg + r * xstride + 4 * j;
                     acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], w0, _mm512_set1_epi32(x[0]));
@@ -233,20 +252,27 @@ avx512_rows(const Task *t, int p, int r0, const int RB) {
     for (int r = 0; r < RB; r++) _mm512_mask_storeu_ps(t->out + (size_t)(r0 + r) * t->ldo + p * PANEL, mask, facc[r]);
 }
 
+static inline AVX512_TARGET __attribute__((always_inline)) void
+avx512_panel(const Task *t, int p, int r0, int r1, const int HB) {
+    int r = r0;
+    for (; r + 8 <= r1; r += 8) avx512_rows(t, p, r, 8, HB);
+    switch (r1 - r) {
+    case 7: avx512_rows(t, p, r, 7, HB); break;
+    case 6: avx512_rows(t, p, r, 6, HB); break;
+    case 5: avx512_rows(t, p, r, 5, HB); break;
+    case 4: avx512_rows(t, p, r, 4, HB); break;
+    case 3: avx512_rows(t, p, r, 3, HB); break;
+    case 2: avx512_rows(t, p, r, 2, HB); break;
+    case 1: avx512_rows(t, p, r, 1, HB); break;
+    default: break;
+    }
+}
+
 static AVX512_TARGET void kernel_avx512(const Task *t, int p0, int p1, int r0, int r1) {
     for (int p = p0; p < p1; p++) {
-        int r = r0;
-        for (; r + 8 <= r1; r += 8) avx512_rows(t, p, r, 8);
-        switch (r1 - r) {
-        case 7: avx512_rows(t, p, r, 7); break;
-        case 6: avx512_rows(t, p, r, 6); break;
-        case 5: avx512_rows(t, p, r, 5); break;
-        case 4: avx512_rows(t, p, r, 4); break;
-        case 3: avx512_rows(t, p, r, 3); break;
-        case 2: avx512_rows(t, p, r, 2); break;
-        case 1: avx512_rows(t, p, r, 1); break;
-        default: break;
-        }
+        if (t->hbits == 1) avx512_panel(t, p, r0, r1, 1);
+        else if (t->hbits == 2) avx512_panel(t, p, r0, r1, 2);
+        else avx512_panel(t, p, r0, r1, 0);
     }
 }
 
@@ -258,13 +284,18 @@ static inline AVX2_TARGET __attribute__((always_inline)) __m256i madd_acc(__m256
     return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(x)));
 }
 
+static inline AVX2_TARGET __attribute__((always_inline)) __m256i hi4_256(__m256i lo, __m256i h, const int s, __m256i hm4) {
+    __m256i a = s >= 4 ? _mm256_srli_epi32(h, s - 4) : _mm256_slli_epi32(h, 4 - s);
+    return _mm256_or_si256(lo, _mm256_and_si256(a, hm4));
+}
+
+/* HB as in avx512_rows. */
 static inline AVX2_TARGET __attribute__((always_inline)) void
-avx2_rows(const Task *t, int p, int r0, const int RB) {
-    const int K = t->K, G = t->group, ng = K / G, bits = t->bits, epw = 32 / bits, wpg = G / epw, hb = t->hbits;
+avx2_rows(const Task *t, int p, int r0, const int RB, const int HB) {
+    const int K = t->K, G = t->group, ng = K / G, bits = t->bits, epw = 32 / bits, wpg = G / epw;
     const uint32_t *wp = t->w + (size_t)p * (K / epw) * PANEL;
-    const uint32_t *hp = hb ? t->hw + (size_t)p * (K * hb / 32) * PANEL : NULL;
-    const __m256i hm = _mm256_set1_epi32(hb == 1 ? 0x00010001 : 0x00030003);
-    const __m128i h1 = _mm_cvtsi32_si128(hb), h2 = _mm_cvtsi32_si128(2 * hb), h3 = _mm_cvtsi32_si128(3 * hb);
+    const uint32_t *hp = HB ? t->hw + (size_t)p * (K * HB / 32) * PANEL : NULL;
+    const __m256i hm4 = _mm256_set1_epi32(HB == 1 ? 0x00100010 : 0x00300030);
     __m256 facc[4][2];
     for (int r = 0; r < RB; r++) facc[r][0] = facc[r][1] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi32(0x000f000f), m8 = _mm256_set1_epi32(0x00ff00ff);
@@ -274,7 +305,26 @@ avx2_rows(const Task *t, int p, int r0, const int RB) {
         const uint32_t *wg = wp + (size_t)g * wpg * PANEL;
         const int32_t *xg = (const int32_t *)(t->xq + (size_t)r0 * K) + g * G / 2;
         const int xstride = K / 2;
-        for (int j = 0; j < wpg; j++) {
+        if (HB) {
+            for (int h = 0; h < 2; h++) {
+                const __m256i hw = _mm256_loadu_si256((const __m256i *)(hp + (size_t)g * PANEL + 8 * h));
+#pragma GCC unroll 4
+                for (int j = 0; j < 4 / HB; j++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(wg + j * PANEL + 8 * h));
+                    __m256i w0 = hi4_256(_mm256_and_si256(v, m4), hw, HB * 4 * j, hm4);
+                    __m256i w1 = hi4_256(_mm256_and_si256(_mm256_srli_epi32(v, 4), m4), hw, HB * (4 * j + 1), hm4);
+                    __m256i w2 = hi4_256(_mm256_and_si256(_mm256_srli_epi32(v, 8), m4), hw, HB * (4 * j + 2), hm4);
+                    __m256i w3 = hi4_256(_mm256_and_si256(_mm256_srli_epi32(v, 12), m4), hw, HB * (4 * j + 3), hm4);
+                    for (int r = 0; r < RB; r++) {
+                        const int32_t *x = xg + r * xstride + 4 * j;
+                        __m256i a = madd_acc(acc[r][h], w0, x[0]);
+                        a = madd_acc(a, w1, x[1]);
+                        a = madd_acc(a, w2, x[2]);
+                        acc[r][h] = madd_acc(a, w3, x[3]);
+                    }
+                }
+            }
+        } else for (int j = 0; j < wpg; j++) {
             for (int h = 0; h < 2; h++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(wg + j * PANEL + 8 * h));
                 if (bits == 4) {
@@ -282,15 +332,6 @@ avx2_rows(const Task *t, int p, int r0, const int RB) {
                     __m256i w1 = _mm256_and_si256(_mm256_srli_epi32(v, 4), m4);
                     __m256i w2 = _mm256_and_si256(_mm256_srli_epi32(v, 8), m4);
                     __m256i w3 = _mm256_and_si256(_mm256_srli_epi32(v, 12), m4);
-                    if (hb) {
-                        const int jg = g * wpg + j;
-                        __m256i u = _mm256_loadu_si256((const __m256i *)(hp + (size_t)(jg * hb / 4) * PANEL + 8 * h));
-                        u = _mm256_srl_epi32(u, _mm_cvtsi32_si128(hb * 4 * (jg % (4 / hb))));
-                        w0 = _mm256_or_si256(w0, _mm256_slli_epi32(_mm256_and_si256(u, hm), 4));
-                        w1 = _mm256_or_si256(w1, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(u, h1), hm), 4));
-                        w2 = _mm256_or_si256(w2, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(u, h2), hm), 4));
-                        w3 = _mm256_or_si256(w3, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(u, h3), hm), 4));
-                    }
                     for (int r = 0; r < RB; r++) {
                         const int32_t *x = xg + r * xstride + 4 * j;
                         __m256i a = madd_acc(acc[r][h], w0, x[0]);
@@ -353,16 +394,23 @@ avx2_rows(const Task *t, int p, int r0, const int RB) {
     }
 }
 
+static inline AVX2_TARGET __attribute__((always_inline)) void
+avx2_panel(const Task *t, int p, int r0, int r1, const int HB) {
+    int r = r0;
+    for (; r + 4 <= r1; r += 4) avx2_rows(t, p, r, 4, HB);
+    switch (r1 - r) {
+    case 3: avx2_rows(t, p, r, 3, HB); break;
+    case 2: avx2_rows(t, p, r, 2, HB); break;
+    case 1: avx2_rows(t, p, r, 1, HB); break;
+    default: break;
+    }
+}
+
 static AVX2_TARGET void kernel_avx2(const Task *t, int p0, int p1, int r0, int r1) {
     for (int p = p0; p < p1; p++) {
-        int r = r0;
-        for (; r + 4 <= r1; r += 4) avx2_rows(t, p, r, 4);
-        switch (r1 - r) {
-        case 3: avx2_rows(t, p, r, 3); break;
-        case 2: avx2_rows(t, p, r, 2); break;
-        case 1: avx2_rows(t, p, r, 1); break;
-        default: break;
-        }
+        if (t->hbits == 1) avx2_panel(t, p, r0, r1, 1);
+        else if (t->hbits == 2) avx2_panel(t, p, r0, r1, 2);
+        else avx2_panel(t, p, r0, r1, 0);
     }
 }
 #endif /* QM_X86 */
