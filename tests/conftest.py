@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tokenizers
 
+from edgeserve.backends import qmatmul as qm
 from edgeserve.models.catalog import DEFAULT_MODEL, pull
 from edgeserve.models.base import ModelArgs
 from edgeserve.models.loader import LoadedModel
@@ -66,6 +67,18 @@ def tiny_model_from(folder: Path, seed: int = 0) -> LoadedModel:
             p + "mlp.down_proj.weight": w(h, f),
         })
     return LoadedModel(args, weights, tokenizer, folder, "safetensors")
+
+
+@pytest.fixture
+def impl(request):
+    """Select a qmatmul code path ("c/<isa>" or "numba", parametrized indirectly) for one test, restoring the default C path afterwards."""
+    name = request.param
+    if name.startswith("c/"):
+        qm._ext.set_isa(name[2:])
+        yield "c"
+        qm._ext.set_isa(None)
+    else:
+        yield name
 
 
 @pytest.fixture(scope="session")

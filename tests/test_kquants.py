@@ -14,18 +14,6 @@ T = gguf.GGMLQuantizationType
 KTYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
 
 
-@pytest.fixture
-def impl(request):
-    """Select a code path ("c/<isa>" or "numba") for one test, restoring the default C path afterwards."""
-    name = request.param
-    if name.startswith("c/"):
-        qm._ext.set_isa(name[2:])
-        yield "c"
-        qm._ext.set_isa(None)
-    else:
-        yield name
-
-
 def random_kquant(rng: np.random.Generator, qtype: T, rows: int, cols: int, scale: float = 0.01) -> KQuantTensor:
     """Random blocks of `qtype` whose float16 fields are finite: d (and dmin) drawn near `scale`."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]

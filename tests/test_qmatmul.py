@@ -34,18 +34,6 @@ ISAS = _isas()
 IMPLS = [*(f"c/{isa}" for isa in ISAS), "numba"]
 
 
-@pytest.fixture
-def impl(request):
-    """Select a code path for one test, restoring the default C path afterwards."""
-    name = request.param
-    if name.startswith("c/"):
-        qm._ext.set_isa(name[2:])
-        yield "c"
-        qm._ext.set_isa(None)
-    else:
-        yield name
-
-
 def _tensor(rng, n: int, k: int, bits: int, group: int, scales: str) -> QuantizedTensor:
     """A random quantized [n, k] matrix with float16, float32 or bfloat16 scales and biases."""
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.05

@@ -358,6 +358,19 @@ _NO_FLOAT = np.zeros((0, 0, PANEL), np.float32)
 _HALF_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 
+@njit(cache=True, nogil=True, fastmath=True)
+def _panel_dots(x, wt, out, first, cols):
+    """out[:, first + c] = x @ wt[c] for the panel's `cols` columns of float32 weights."""
+    for r in range(x.shape[0]):
+        xr = x[r]
+        for c in range(cols):
+            src = wt[c]
+            total = np.float32(0)
+            for kk in range(x.shape[1]):
+                total += src[kk] * xr[kk]
+            out[r, first + c] = total
+
+
 @njit(cache=True, nogil=True, fastmath=True, parallel=True)
 def _gemm(x, packed, h_scales, h_biases, f_scales, f_biases, half, half_table, out, n, group, bits, shifts):
     rows, k = x.shape
@@ -384,14 +397,7 @@ def _gemm(x, packed, h_scales, h_biases, f_scales, f_biases, half, half_table, o
                     word = packed[p, j, c]
                     for e in range(epw):
                         dst[j * epw + e] = np.float32((word >> shifts[e]) & mask) * sc + bi
-        for r in range(rows):
-            xr = x[r]
-            for c in range(min(lanes, n - p * lanes)):
-                src = wt[c]
-                total = np.float32(0)
-                for kk in range(k):
-                    total += src[kk] * xr[kk]
-                out[r, p * lanes + c] = total
+        _panel_dots(x, wt, out, p * lanes, min(lanes, n - p * lanes))
 
 
 def _numba_kgemm(x: np.ndarray, s: _Segment, out: np.ndarray) -> None:
@@ -423,14 +429,7 @@ def _kgemm(x, packed, hi, hbits, ksc, km, d, dmin, out, n, group, shifts, hi_shi
                     if hbits:
                         q |= ((hi[p, kk // per_word, c] >> hi_shifts[kk % per_word]) & hmask) << 4
                     dst[kk] = np.float32(q) * sc + bi
-        for r in range(rows):
-            xr = x[r]
-            for c in range(min(lanes, n - p * lanes)):
-                src = wt[c]
-                total = np.float32(0)
-                for kk in range(k):
-                    total += src[kk] * xr[kk]
-                out[r, p * lanes + c] = total
+        _panel_dots(x, wt, out, p * lanes, min(lanes, n - p * lanes))
 
 
 _IMPL = "c" if _ext is not None and os.environ.get("EDGESERVE_QMATMUL", "").lower() != "numba" else "numba"
