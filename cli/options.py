@@ -45,4 +45,6 @@ def build_engine(model: str, config: EngineConfig, quiet: bool = False) -> LLMEn
     engine = LLMEngine(loaded, config)
     if not quiet:
         print(f"{loaded.source.name} on {engine.backend.describe()}; {engine.pool_size.describe()}", file=sys.stderr)
+        if (note := engine.describe_limits()) is not None:
+            print(note, file=sys.stderr)
     return engine

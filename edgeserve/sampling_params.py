@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 from edgeserve.errors import EdgeserveError
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample as greedy: dividing by them would overflow the logits
+
+
+def generator_seed(seed: int | None) -> int | None:
+    """Any int64 seed (OpenAI allows negatives) as a seed NumPy accepts; non-negative seeds unchanged."""
+    return None if seed is None else int(seed) % 2**64
+
+
 class InvalidParamsError(EdgeserveError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -37,7 +45,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         checks = [

@@ -27,12 +27,27 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._error: BaseException | None = None  # why the engine thread died, if it did
         self._thread = threading.Thread(target=self._loop, name="edgeserve-engine", daemon=True)
         self._thread.start()
 
     def stats(self) -> EngineStats:
         """A snapshot taken by the engine thread after its latest step."""
         return self._stats
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread is running and can take requests."""
+        return self._error is None and self._thread.is_alive()
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine thread died, or None while it runs."""
+        return None if self._error is None else f"engine thread died: {self._error!r}"
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise EngineDeadError(self.error or "the engine has shut down")
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -59,6 +74,8 @@ class AsyncEngine:
                     self.engine.add_request(prompt, params, request_id)
                 except EdgeserveError as exc:
                     self._deliver(exc, request_id)
+                except Exception as exc:  # a request that cannot start fails alone, never the engine thread
+                    self._deliver(EdgeserveError(f"request failed to start: {exc!r}"), request_id)
             elif kind == "call":  # run fn on the engine thread, between steps
                 fn, loop, future = payload
                 try:
@@ -68,11 +85,35 @@ class AsyncEngine:
                 else:
                     _post(loop, future.set_result, result)
             elif kind == "abort":
-                final = self.engine.abort(payload)
-                if final is not None:
-                    self._deliver(final, payload)
+                try:
+                    final = self.engine.abort(payload)
+                except Exception as exc:
+                    self._deliver(EdgeserveError(f"abort failed: {exc!r}"), payload)
+                else:
+                    if final is not None:
+                        self._deliver(final, payload)
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # nothing left to run requests: fail every waiting caller now
+            self._error = exc
+            self._fail_all(EngineDeadError(self.error or repr(exc)))
+
+    def _fail_all(self, exc: Exception) -> None:
+        """Fail every stream and pending call: after _error is set, nobody else will answer them."""
+        for _, (loop, q) in list(self._streams.items()):
+            _post(loop, q.put_nowait, exc)
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call":
+                _, loop, future = payload
+                _post(loop, future.set_exception, exc)
+
+    def _run(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
             if not self.engine.has_unfinished():
@@ -97,10 +138,11 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._inbox.put(("add", (request_id, prompt, params or SamplingParams())))
-        self._wake.set()
         finished = False
         try:
+            self._check_alive()  # after registering: a thread dying from now on fails this stream too
+            self._inbox.put(("add", (request_id, prompt, params or SamplingParams())))
+            self._wake.set()
             while True:
                 out = await q.get()
                 if isinstance(out, Exception):
@@ -121,6 +163,8 @@ class AsyncEngine:
         future = loop.create_future()
         self._inbox.put(("call", (fn, loop, future)))
         self._wake.set()
+        if not self.alive:  # after queueing: the dying thread fails whatever it finds queued
+            self._fail_all(EngineDeadError(self.error or "the engine has shut down"))
         return await future
 
     async def kv_map(self) -> list[tuple[str, list[str]]]:
@@ -129,6 +173,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
         self._wake.set()
+
+
+class EngineDeadError(EdgeserveError):
+    """The engine thread is gone, so no request can run."""
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Any, arg: Any) -> bool:

@@ -66,12 +66,21 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.static_batching)
         context = model.args.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or context, context)
+        self.context_len = min(config.max_model_len or context, context)
+        # a longer sequence could never grow, even alone in the pool
+        self.max_model_len = min(self.context_len, self.pool_size.tokens)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.chat_template = ChatTemplate.for_tokenizer(self.tokenizer)
         self._ids = itertools.count()
         self._stats = EngineStats()
         self._recent: list[tuple[float, int]] = []  # (time, output tokens) per step
+
+    def describe_limits(self) -> str | None:
+        """A note when the KV pool caps the context below the model's, else None."""
+        if self.max_model_len >= self.context_len:
+            return None
+        return (f"max_model_len capped to {self.max_model_len} tokens (the model's context is {self.context_len}): "
+                f"one sequence can hold no more of the KV pool; raise --kv-memory for longer ones")
 
     @property
     def vocab_size(self) -> int:
@@ -97,9 +106,9 @@ class LLMEngine:
         if not prompt_ids:
             raise EdgeserveError("the prompt is empty")
         n = len(prompt_ids)
-        if n >= self.max_model_len:
+        if n >= self.context_len:
             raise PromptTooLongError(
-                f"prompt has {n} tokens but the model's context is {self.max_model_len} tokens")
+                f"prompt has {n} tokens but the model's context is {self.context_len} tokens")
         need = blocks_for(n + 1, self.pool_size.block_size)
         if need > self.pool_size.num_blocks:
             raise PromptTooLongError(
@@ -147,9 +156,9 @@ class LLMEngine:
             return []
         logits = self._run(scheduled)
         sampling = [item.seq for item in scheduled if item.samples]
-        tokens = sample(logits, sampling)
+        tokens, failed = sample(logits, sampling)
         self._update(scheduled)
-        return self._outputs(sampling, tokens, logits)
+        return self._outputs(sampling, tokens, logits, failed)
 
     def run_to_completion(self, on_step: Callable[[list[RequestOutput]], None] | None = None
                           ) -> dict[str, Completion]:
@@ -187,12 +196,22 @@ class LLMEngine:
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_full_blocks(seq)
 
-    def _outputs(self, seqs: list[Sequence], tokens: list[int], logits: np.ndarray) -> list[RequestOutput]:
-        """Append each sampled token; finished requests leave the scheduler."""
+    def _outputs(self, seqs: list[Sequence], tokens: list[int], logits: np.ndarray,
+                 failed: dict[int, str]) -> list[RequestOutput]:
+        """Append each sampled token; finished requests leave the scheduler, and so do failed ones, alone."""
         outputs = []
         for row, (seq, token) in enumerate(zip(seqs, tokens)):
-            seq.token_ids.append(token)
-            out = self.output.process(seq, token, logits[row])
+            error = failed.get(row)
+            if error is None:
+                try:
+                    seq.token_ids.append(token)
+                    out = self.output.process(seq, token, logits[row])
+                except Exception as exc:  # detokenizing one request must not fail the batch
+                    error = f"output failed: {exc}"
+            if error is not None:
+                self.scheduler.finish(seq)
+                outputs.append(self.output.fail(self.output.requests[seq.request_id], error))
+                continue
             if out.finished:
                 self.scheduler.finish(seq)
             outputs.append(out)

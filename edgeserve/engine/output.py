@@ -123,6 +123,12 @@ class OutputProcessor:
         state.finish_reason = "abort"
         return self._emit(state, [], [])
 
+    def fail(self, state: RequestState, message: str) -> RequestOutput:
+        """The final output of a request that failed on its own (the rest of the batch goes on)."""
+        out = self.abort(state)
+        out.error = message
+        return out
+
     def _emit(self, state: RequestState, new_tokens: list[int], logprobs: list[dict]) -> RequestOutput:
         out = state.output(new_tokens, logprobs)
         if out.finished:

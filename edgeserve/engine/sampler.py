@@ -6,6 +6,9 @@ import numpy as np
 
 from edgeserve.engine.sequence import Sequence
 
+# Far beyond any real logit, and still finite once divided by the smallest sampled temperature.
+LOGIT_LIMIT = 1e30
+
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x - x.max(axis=-1, keepdims=True)
@@ -32,7 +35,9 @@ def apply_penalties(logits: np.ndarray, seq: Sequence) -> np.ndarray:
 def sample_row(logits: np.ndarray, seq: Sequence) -> int:
     """One token from processed logits: temperature, top-k, top-p, min-p, then a seeded draw."""
     p = seq.params
-    logits = apply_penalties(logits.astype(np.float64), seq)
+    with np.errstate(over="ignore"):  # extreme penalties overflow to inf, clipped below: inf - inf is NaN
+        logits = apply_penalties(logits.astype(np.float64), seq)
+    logits = np.clip(np.nan_to_num(logits, nan=-LOGIT_LIMIT), -LOGIT_LIMIT, LOGIT_LIMIT)
     if p.greedy:
         return int(np.argmax(logits))
     logits = logits / p.temperature
@@ -58,13 +63,17 @@ def needs_processing(seq: Sequence) -> bool:
             or bool(p.logit_bias))
 
 
-def sample(logits: np.ndarray, seqs: list[Sequence]) -> list[int]:
-    """Tokens for each row of logits [S, vocab] (row i belongs to seqs[i])."""
+def sample(logits: np.ndarray, seqs: list[Sequence]) -> tuple[list[int], dict[int, str]]:
+    """Tokens for each row of logits [S, vocab] (row i belongs to seqs[i]), and the rows that failed, with why."""
     tokens = np.argmax(logits, axis=-1).tolist()
+    failed: dict[int, str] = {}
     for i, seq in enumerate(seqs):
         if needs_processing(seq):
-            tokens[i] = sample_row(logits[i], seq)
-    return tokens
+            try:
+                tokens[i] = sample_row(logits[i], seq)
+            except Exception as exc:  # one request's sampling must not fail the batch
+                failed[i] = f"sampling failed: {exc}"
+    return tokens, failed
 
 
 def token_logprobs(logits_row: np.ndarray, token: int, top: int) -> dict:

@@ -11,7 +11,7 @@ from enum import Enum
 
 import numpy as np
 
-from edgeserve.sampling_params import SamplingParams
+from edgeserve.sampling_params import SamplingParams, generator_seed
 
 
 class SequenceStatus(Enum):
@@ -35,7 +35,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
-        self.rng = np.random.default_rng(self.params.seed)
+        self.rng = np.random.default_rng(generator_seed(self.params.seed))
 
     @property
     def num_prompt_tokens(self) -> int:

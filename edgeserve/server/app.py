@@ -219,7 +219,10 @@ class _Server:
             yield sse(envelope(gen.response_id, "text_completion", gen.created, self.model_name, [],
                                usage=gen.usage()))
 
-    async def health(self) -> dict:
+    async def health(self) -> dict | JSONResponse:
+        if not self.aengine.alive:
+            return JSONResponse({"status": "error", "model": self.model_name, "error": self.aengine.error},
+                                status_code=503)
         stats = self.aengine.stats()
         return {"status": "ok", "model": self.model_name, "running": stats.running, "waiting": stats.waiting}
 
