@@ -18,7 +18,7 @@ from edgeserve.cli.options import build_engine, model_options
 from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import CATALOG
-from edgeserve.server.app import DEFAULT_MAX_QUEUE, create_app
+from edgeserve.server.app import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, create_app
 
 
 def served_model_name(model: str) -> str:
@@ -71,14 +71,20 @@ def _listen(host: str, port: int) -> socket.socket:
               help="Require 'Authorization: Bearer KEY' on /v1 (default: $EDGESERVE_API_KEY).")
 @click.option("--max-queue", default=DEFAULT_MAX_QUEUE, show_default=True, type=click.IntRange(1),
               help="Requests running or waiting beyond which new ones are refused with 429.")
+@click.option("--max-body-size", default=DEFAULT_MAX_BODY_SIZE, show_default=True, type=click.IntRange(1),
+              help="Largest request body in bytes; larger ones are refused with 413.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="A Host name to accept besides loopback names and IP addresses (repeatable; '*' accepts "
+                   "any). Others get 403, which stops DNS-rebinding web pages.")
 def serve(model: str, config: EngineConfig, host: str, port: int, api_key: str | None,
-          max_queue: int) -> None:
+          max_queue: int, max_body_size: int, allowed_hosts: tuple[str, ...]) -> None:
     """Serve a model over the OpenAI API (chat and text completions, streaming) for local tools."""
     sock = _listen(host, port)
     engine = build_engine(model, config)
     aengine = AsyncEngine(engine)
     name = served_model_name(model)
-    app = create_app(aengine, name, api_key=api_key, max_queue=max_queue)
+    app = create_app(aengine, name, api_key=api_key, max_queue=max_queue, max_body_size=max_body_size,
+                     allowed_hosts=(host, *allowed_hosts))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     if not api_key and not _is_loopback(host):
         click.echo(f"warning: listening on {host} without an API key; anyone who can reach it can use it", err=True)

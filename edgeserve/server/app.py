@@ -5,13 +5,15 @@ Every request becomes one engine request per choice, so all clients share the co
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
+import ipaddress
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +42,12 @@ from edgeserve.server.protocol import (
 )
 
 DEFAULT_MAX_QUEUE = 256
+DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
+# A token spells at most a few dozen characters in any real vocabulary, so a text this many times
+# longer than the context cannot fit whatever it says: refused before paying to tokenize it.
+MAX_CHARS_PER_TOKEN = 32
+# Loopback names a DNS-rebinding page cannot take over; IP literals are checked apart.
+LOOPBACK_HOSTS = frozenset({"localhost"})
 
 logger = logging.getLogger("edgeserve.server")
 
@@ -73,9 +81,17 @@ class _Server:
         try:
             self.engine.check_prompt(ids)
         except PromptTooLongError as exc:
-            raise APIError(413, str(exc), param=param, code="context_length_exceeded") from exc
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from exc
         except EdgeserveError as exc:
             raise APIError(400, str(exc), param=param, code="invalid_value") from exc
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        """Refuse text too long for the context at any tokenization, before tokenizing it."""
+        limit = MAX_CHARS_PER_TOKEN * self.engine.max_model_len
+        if chars > limit:
+            raise APIError(400, f"{param} has {chars} characters, far more than the model's context of "
+                                f"{self.engine.max_model_len} tokens can hold", param=param,
+                           code="context_length_exceeded")
 
     def authorized(self, headers: Headers) -> bool:
         if self.api_key is None:
@@ -145,8 +161,11 @@ class _Server:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> object:
         self.check_model(body.model)
+        messages = [m.as_template_message() for m in body.messages]
+        self.check_text_length(sum(len(m["content"]) for m in messages), "messages")
         try:
-            ids = self.engine.chat_prompt_ids([m.as_template_message() for m in body.messages])
+            # Off the event loop: a long prompt takes seconds to render and tokenize.
+            ids = await asyncio.to_thread(self.engine.chat_prompt_ids, messages)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
         self.check_prompt(ids, "messages")
@@ -168,7 +187,11 @@ class _Server:
         self.check_model(body.model)
         prompts = []
         for p in body.prompts():
-            ids = list(p) if isinstance(p, list) else self.tokenizer.encode(p)
+            if isinstance(p, str):
+                self.check_text_length(len(p), "prompt")
+                ids = await asyncio.to_thread(self.tokenizer.encode, p)  # off the event loop, as for chat
+            else:
+                ids = list(p)
             self.check_prompt(ids, "prompt")
             prompts.append(ids)
         gen = self.start("cmpl", body, prompts, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs)
@@ -285,9 +308,83 @@ class _Gate:
         await self.app(scope, receive, counting_send)
 
 
+def _host_name(host: str) -> str:
+    """The name in a Host header, without its port or an IPv6 address's brackets, lower-cased."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+def _host_allowed(host: str, allowed: frozenset[str]) -> bool:
+    """Whether a request's Host header names this server: loopback, an IP address, or an allowed name.
+
+    DNS rebinding needs a name the attacker controls, so IP literals are safe; names must be known.
+    """
+    name = _host_name(host)
+    if "*" in allowed or not name or name in LOOPBACK_HOSTS or name.endswith(".localhost") or name in allowed:
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class _Guard:
+    """ASGI middleware for every request: refuses unknown Host names (DNS rebinding), and bodies over the limit.
+
+    The body is read here, counted, and replayed to the app, so a chunked body cannot dodge the limit.
+    """
+
+    def __init__(self, app: ASGIApp, allowed_hosts: frozenset[str], max_body_size: int):
+        self.app = app
+        self.allowed_hosts = allowed_hosts
+        self.max_body_size = max_body_size
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        host = Headers(scope=scope).get("host", "")
+        if not _host_allowed(host, self.allowed_hosts):
+            error = APIError(403, f"the Host {_host_name(host)!r} is not allowed; start the server with "
+                                  "--allowed-host NAME to accept it", code="host_not_allowed")
+            await error.response()(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        first: Message | None = None
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                first = message
+                break
+            size += len(message.get("body", b""))
+            if size <= self.max_body_size:
+                chunks.append(message.get("body", b""))
+            # Over the limit the rest is drained, not kept: answering before the client has sent it
+            # all would reset the connection under its feet. Past 16 times the limit it is cut off.
+            if not message.get("more_body", False) or size > 16 * self.max_body_size:
+                break
+        if size > self.max_body_size:
+            error = APIError(413, f"the request body is {size} bytes or more; the limit is {self.max_body_size} "
+                                  "(--max-body-size)", code="request_too_large")
+            await error.response()(scope, receive, send)
+            return
+        pending = [first or {"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Message:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
-    first = errors[0]
+    # In a union each branch reports; a value of the right type that is wrong says more than the
+    # other branches' type mismatches.
+    first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
     if first["type"] == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                         code="invalid_json")
@@ -298,17 +395,27 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         code = "invalid_type"
     else:
         code = "invalid_value"
-    details = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
-                        for e in errors[:3])
+    # Leading with the chosen error; union branches' tags ("list[ContentPart]") are not field names.
+    ordered = [first, *(e for e in errors if e is not first)][:3]
+    details = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'] if p != 'body' and '[' not in str(p)) or 'body'}: {e['msg']}"
+        for e in ordered)
     return APIError(400, f"invalid request: {details}", param=loc[0] if loc else None, code=code)
 
 
 def create_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None,
-               max_queue: int = DEFAULT_MAX_QUEUE) -> FastAPI:
-    """The server app; `model_name` is the id clients pass as `model` (the catalog name works too)."""
+               max_queue: int = DEFAULT_MAX_QUEUE, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+               allowed_hosts: Iterable[str] = ()) -> FastAPI:
+    """The server app; `model_name` is the id clients pass as `model` (the catalog name works too).
+
+    Host headers must name loopback, an IP address, or one of `allowed_hosts` ("*" allows any).
+    """
     server = _Server(aengine, model_name, api_key, max_queue)
     app = FastAPI(title="edgeserve", description="OpenAI-compatible local LLM server")
     app.state.server = server
+    # The last added runs first: _Gate outermost, so its count of answers includes the guard's.
+    app.add_middleware(_Guard, allowed_hosts=frozenset(_host_name(h) if h != "*" else h for h in allowed_hosts),
+                       max_body_size=max_body_size)
     app.add_middleware(_Gate, server=server)
 
     @app.exception_handler(APIError)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from edgeserve.sampling_params import SamplingParams
 from edgeserve.text.tokenizer import Tokenizer
@@ -14,6 +15,20 @@ from edgeserve.text.tokenizer import Tokenizer
 MAX_N = 64
 MAX_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+_TOKEN_ID = re.compile(r"[0-9]+")  # ASCII only: str.isdigit also accepts "²" and other digits int() refuses
+
+
+def _valid_unicode(value: str) -> str:
+    # JSON escapes can spell lone surrogates ("\ud800"), which no tokenizer or UTF-8 encoder accepts.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text holds a lone surrogate ({value[exc.start]!r}) at position {exc.start}, "
+                         "which is not valid Unicode") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class _Body(BaseModel):
@@ -27,11 +42,11 @@ class StreamOptions(_Body):
 
 
 class _GenerationRequest(_Body):
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -39,7 +54,7 @@ class _GenerationRequest(_Body):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # Extensions that vLLM and llama.cpp's server also accept.
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -49,7 +64,7 @@ class _GenerationRequest(_Body):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value and not all(k.isdigit() for k in value):
+        if value and not all(_TOKEN_ID.fullmatch(k) for k in value):
             raise ValueError("logit_bias keys must be token ids, written as strings of digits")
         return value
 
@@ -83,13 +98,13 @@ def _or(value: Any, default: Any) -> Any:
 
 class ContentPart(_Body):
     type: Literal["text"]  # the model reads text only
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def as_template_message(self) -> dict[str, str]:
         """The {role, content} dict chat templates expect."""
@@ -117,7 +132,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 

@@ -1,0 +1,228 @@
+"""What a hostile but ordinary client can send the server: each answer is a clean OpenAI-style error.
+
+Real HTTP over loopback, with httpx and the official client, against servers of the tiny random model.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from edgeserve.config import EngineConfig
+from edgeserve.engine.async_engine import AsyncEngine
+from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.server.app import DEFAULT_MAX_BODY_SIZE, MAX_CHARS_PER_TOKEN, create_app
+from edgeserve.text.tokenizer import Tokenizer
+
+MODEL = "tiny"
+SMALL_BODY_LIMIT = 64 * 1024
+http = httpx.Client(timeout=60)
+
+
+class _ServerThread:
+    """uvicorn serving `app` on a free loopback port, in a background thread."""
+
+    def __init__(self, app: FastAPI):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model) -> Iterator[AsyncEngine]:
+    aengine = AsyncEngine(LLMEngine(tiny_model, EngineConfig(backend="numpy", kv_memory="16MiB")))
+    yield aengine
+    aengine.shutdown()
+
+
+def _serve(engine: AsyncEngine, **options: object) -> Iterator[_ServerThread]:
+    server = _ServerThread(create_app(engine, MODEL, **options))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(engine: AsyncEngine) -> Iterator[_ServerThread]:
+    yield from _serve(engine)
+
+
+@pytest.fixture(scope="module")
+def small_body_server(engine: AsyncEngine) -> Iterator[_ServerThread]:
+    yield from _serve(engine, max_body_size=SMALL_BODY_LIMIT)
+
+
+@pytest.fixture(scope="module")
+def named_host_server(engine: AsyncEngine) -> Iterator[_ServerThread]:
+    yield from _serve(engine, allowed_hosts=["my-box.lan"])
+
+
+@pytest.fixture(scope="module")
+def any_host_server(engine: AsyncEngine) -> Iterator[_ServerThread]:
+    yield from _serve(engine, allowed_hosts=["*"])
+
+
+def _error(resp: httpx.Response, status: int, code: str, param: str | None = None) -> str:
+    """Assert an OpenAI-style error with this status, code and param; return its message."""
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code and error["param"] == param and error["message"]
+    return error["message"]
+
+
+def _still_serving(url: str) -> None:
+    assert http.get(url + "/health").json()["status"] == "ok"
+    resp = http.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+
+
+# 5: body size, prompts far beyond the context, tokenizing off the event loop ---------------------
+
+
+def test_a_body_over_the_limit_is_a_413(small_body_server: _ServerThread) -> None:
+    url = small_body_server.url
+    body = {"prompt": "x" * (SMALL_BODY_LIMIT + 1), "max_tokens": 1}
+    _error(http.post(url + "/v1/completions", json=body), 413, "request_too_large")
+    _still_serving(url)
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(small_body_server: _ServerThread) -> None:
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit must count what arrives
+        yield b'{"prompt": "'
+        for _ in range(4 * SMALL_BODY_LIMIT // 1024):
+            yield b"x" * 1024
+        yield b'", "max_tokens": 1}'
+
+    resp = http.post(small_body_server.url + "/v1/completions", content=chunks(),
+                     headers={"Content-Type": "application/json"})
+    _error(resp, 413, "request_too_large")
+    _still_serving(small_body_server.url)
+
+
+def test_the_default_body_limit(server: _ServerThread) -> None:
+    body = {"prompt": "x" * DEFAULT_MAX_BODY_SIZE, "max_tokens": 1}
+    _error(http.post(server.url + "/v1/completions", json=body), 413, "request_too_large")
+
+
+@pytest.mark.parametrize("path, param", [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")])
+def test_text_far_beyond_the_context_is_refused_untokenized(server: _ServerThread, engine: AsyncEngine,
+                                                            monkeypatch: pytest.MonkeyPatch, path: str,
+                                                            param: str) -> None:
+    def refuse(*_: object, **__: object) -> list[int]:
+        raise AssertionError("tokenized a prompt that cannot fit")
+
+    monkeypatch.setattr(Tokenizer, "encode", refuse)
+    text = "x" * (MAX_CHARS_PER_TOKEN * engine.engine.max_model_len + 1)
+    body = {"prompt": text} if param == "prompt" else {"messages": [{"role": "user", "content": text}]}
+    message = _error(http.post(server.url + path, json=body), 400, "context_length_exceeded", param)
+    assert "characters" in message
+
+
+def test_tokenizing_does_not_block_the_event_loop(server: _ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    encode = Tokenizer.encode
+
+    def slow_encode(self: Tokenizer, *args: object, **kwargs: object) -> list[int]:
+        time.sleep(2)  # as a prompt of megabytes takes
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "encode", slow_encode)
+    slow = threading.Thread(target=http.post, args=(server.url + "/v1/completions",),
+                            kwargs={"json": {"prompt": "hi", "max_tokens": 1}})
+    slow.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    assert http.get(server.url + "/health").status_code == 200
+    took = time.monotonic() - start
+    slow.join()
+    assert took < 1.0, f"/health waited {took:.1f}s on a tokenizing request"
+
+
+# 6: bad input that used to reach the engine as a 500 ---------------------------------------------
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"²": 1}},
+     "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"١٢": 1}}, "logit_bias"),  # Arabic-Indic digits
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     "messages"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 1}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "\\ud800"], "max_tokens": 1}', "prompt"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": "\\ud800", "max_tokens": 1}', "stop"),
+])
+def test_bad_input_is_a_400_not_a_500(server: _ServerThread, path: str, body: dict | bytes, param: str) -> None:
+    content = body if isinstance(body, bytes) else None
+    resp = http.post(server.url + path, content=content, json=None if content else body,
+                     headers={"Content-Type": "application/json"})
+    _error(resp, 400, "invalid_value", param)
+    _still_serving(server.url)
+
+
+# 7: DNS rebinding ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/metrics"])
+def test_an_unknown_host_name_is_a_403(server: _ServerThread, path: str) -> None:
+    resp = http.get(server.url + path, headers={"Host": f"rebind.attacker.example:{server.port}"})
+    assert "rebind.attacker.example" in _error(resp, 403, "host_not_allowed")
+
+
+@pytest.mark.parametrize("host", ["localhost", "LOCALHOST:{port}", "127.0.0.1:{port}", "[::1]:{port}", "[::1]",
+                                  "app.localhost:{port}", "192.168.1.20:{port}"])
+def test_loopback_names_and_addresses_are_accepted(server: _ServerThread, host: str) -> None:
+    resp = http.get(server.url + "/v1/models", headers={"Host": host.format(port=server.port)})
+    assert resp.status_code == 200, resp.text
+
+
+def test_allowed_hosts(named_host_server: _ServerThread, any_host_server: _ServerThread) -> None:
+    named = named_host_server
+    assert http.get(named.url + "/health", headers={"Host": f"my-box.lan:{named.port}"}).status_code == 200
+    _error(http.get(named.url + "/health", headers={"Host": "other.lan"}), 403, "host_not_allowed")
+    assert http.get(any_host_server.url + "/health", headers={"Host": "anything.example"}).status_code == 200
+
+
+def test_the_openai_client_still_gets_through(server: _ServerThread) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert out.choices[0].message.role == "assistant"
+    rebound = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60,
+                            default_headers={"Host": "rebind.attacker.example"})
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        rebound.models.list()
+    assert denied.value.code == "host_not_allowed"
+
+
+# 8: context overflow ------------------------------------------------------------------------------
+
+
+def test_a_prompt_over_the_context_is_a_400_context_length_exceeded(server: _ServerThread,
+                                                                    engine: AsyncEngine) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    too_long = "x" * (engine.engine.max_model_len + 10)  # one token a character in the tiny vocabulary
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": too_long}], max_tokens=1)
+    assert chat.value.code == "context_length_exceeded" and chat.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as text:
+        client.completions.create(model=MODEL, prompt=too_long, max_tokens=1)
+    assert text.value.code == "context_length_exceeded" and text.value.param == "prompt"
