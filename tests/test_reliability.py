@@ -21,7 +21,7 @@ from edgeserve.engine.sequence import Sequence
 from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import SamplingParams
 from edgeserve.server.app import create_app
-from tests.test_server import _ServerThread
+from loopback import ServerThread
 
 TINY_BYTES_PER_TOKEN = 512  # 2 x 2 layers x 2 KV heads x 16 dims x 4 bytes
 PROMPT = [10 + i % 60 for i in range(40)]
@@ -88,7 +88,7 @@ def test_a_request_that_cannot_start_fails_alone(tiny_model, monkeypatch):
 @pytest.fixture
 def server(tiny_model) -> Iterator[tuple[AsyncEngine, str]]:
     aengine = AsyncEngine(make_engine(tiny_model))
-    srv = _ServerThread(create_app(aengine, "tiny"))
+    srv = ServerThread(create_app(aengine, "tiny"))
     yield aengine, srv.url
     srv.stop()
     aengine.shutdown()

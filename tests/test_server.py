@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from urllib.parse import urlparse
@@ -18,9 +17,7 @@ from urllib.parse import urlparse
 import httpx
 import openai
 import pytest
-import uvicorn
 from click.testing import CliRunner
-from fastapi import FastAPI
 
 from edgeserve.bench.http_driver import run_http_bench
 from edgeserve.bench.workloads import BenchRequest
@@ -31,32 +28,12 @@ from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.server.app import create_app
+from loopback import ServerThread
 
 API_KEY = "test-key-123"
 # Generous: on a busy machine an engine step, and so /v1/edgeserve/kv, can take seconds.
 http = httpx.Client(timeout=60)
 IGNORE_EOS = {"ignore_eos": True}  # an extension (vLLM and llama.cpp have it too): fixed output lengths
-
-
-class _ServerThread:
-    """uvicorn serving `app` on a free loopback port, in a background thread."""
-
-    def __init__(self, app: FastAPI):
-        self.app = app
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -72,29 +49,29 @@ def model_name(tiny_model) -> str:
 
 
 @pytest.fixture(scope="module")
-def main_server(engine: AsyncEngine, model_name: str) -> Iterator[_ServerThread]:
-    server = _ServerThread(create_app(engine, model_name))
+def main_server(engine: AsyncEngine, model_name: str) -> Iterator[ServerThread]:
+    server = ServerThread(create_app(engine, model_name))
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def url(main_server: _ServerThread) -> str:
+def url(main_server: ServerThread) -> str:
     return main_server.url
 
 
 @pytest.fixture(scope="module")
 def keyed_url(engine: AsyncEngine, model_name: str) -> Iterator[str]:
-    server = _ServerThread(create_app(engine, model_name, api_key=API_KEY, max_queue=2))
+    server = ServerThread(create_app(engine, model_name, api_key=API_KEY, max_queue=2))
     yield server.url
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def real_server(loaded_model, real_model_name: str) -> Iterator[_ServerThread]:
+def real_server(loaded_model, real_model_name: str) -> Iterator[ServerThread]:
     """A server of the real model, for the tests about what it says."""
     aengine = AsyncEngine(LLMEngine(loaded_model, EngineConfig(backend="numpy", kv_memory="256MiB")))
-    server = _ServerThread(create_app(aengine, real_model_name))
+    server = ServerThread(create_app(aengine, real_model_name))
     yield server
     server.stop()
     aengine.shutdown()
@@ -111,7 +88,7 @@ def real_model_name(model_path) -> str:
 
 
 @pytest.fixture
-def real_client(real_server: _ServerThread) -> openai.OpenAI:
+def real_client(real_server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -165,7 +142,7 @@ def test_the_catalog_name_of_the_served_file_is_accepted(real_client: openai.Ope
     assert out.model == real_model_name and out.usage.completion_tokens >= 1
 
 
-def test_chat_usage_and_logprobs_match_the_tokenizer(real_client: openai.OpenAI, real_server: _ServerThread,
+def test_chat_usage_and_logprobs_match_the_tokenizer(real_client: openai.OpenAI, real_server: ServerThread,
                                                      real_model_name: str) -> None:
     engine = real_server.app.state.server.engine
     messages = chat("Name three colors.")
@@ -346,7 +323,7 @@ def test_hanging_up_on_a_non_streaming_request_aborts_it(url: str, model_name: s
     wait_until(lambda: metric(url, disconnects, default=0) == before + 1)
 
 
-def test_shutdown_ends_open_streams(main_server: _ServerThread, client: openai.OpenAI, model_name: str) -> None:
+def test_shutdown_ends_open_streams(main_server: ServerThread, client: openai.OpenAI, model_name: str) -> None:
     stream = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=2000,
                                        extra_body=IGNORE_EOS, stream=True)
     first = next(iter(stream))

@@ -5,7 +5,6 @@ Real HTTP over loopback, with httpx and the official client, against servers of 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -13,39 +12,17 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-import uvicorn
-from fastapi import FastAPI
 
 from edgeserve.config import EngineConfig
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.server.app import DEFAULT_MAX_BODY_SIZE, MAX_CHARS_PER_TOKEN, create_app
 from edgeserve.text.tokenizer import Tokenizer
+from loopback import ServerThread
 
 MODEL = "tiny"
 SMALL_BODY_LIMIT = 64 * 1024
 http = httpx.Client(timeout=60)
-
-
-class _ServerThread:
-    """uvicorn serving `app` on a free loopback port, in a background thread."""
-
-    def __init__(self, app: FastAPI):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -55,29 +32,29 @@ def engine(tiny_model) -> Iterator[AsyncEngine]:
     aengine.shutdown()
 
 
-def _serve(engine: AsyncEngine, **options: object) -> Iterator[_ServerThread]:
-    server = _ServerThread(create_app(engine, MODEL, **options))
+def _serve(engine: AsyncEngine, **options: object) -> Iterator[ServerThread]:
+    server = ServerThread(create_app(engine, MODEL, **options))
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def server(engine: AsyncEngine) -> Iterator[_ServerThread]:
+def server(engine: AsyncEngine) -> Iterator[ServerThread]:
     yield from _serve(engine)
 
 
 @pytest.fixture(scope="module")
-def small_body_server(engine: AsyncEngine) -> Iterator[_ServerThread]:
+def small_body_server(engine: AsyncEngine) -> Iterator[ServerThread]:
     yield from _serve(engine, max_body_size=SMALL_BODY_LIMIT)
 
 
 @pytest.fixture(scope="module")
-def named_host_server(engine: AsyncEngine) -> Iterator[_ServerThread]:
+def named_host_server(engine: AsyncEngine) -> Iterator[ServerThread]:
     yield from _serve(engine, allowed_hosts=["my-box.lan"])
 
 
 @pytest.fixture(scope="module")
-def any_host_server(engine: AsyncEngine) -> Iterator[_ServerThread]:
+def any_host_server(engine: AsyncEngine) -> Iterator[ServerThread]:
     yield from _serve(engine, allowed_hosts=["*"])
 
 
@@ -99,14 +76,14 @@ def _still_serving(url: str) -> None:
 # 5: body size, prompts far beyond the context, tokenizing off the event loop ---------------------
 
 
-def test_a_body_over_the_limit_is_a_413(small_body_server: _ServerThread) -> None:
+def test_a_body_over_the_limit_is_a_413(small_body_server: ServerThread) -> None:
     url = small_body_server.url
     body = {"prompt": "x" * (SMALL_BODY_LIMIT + 1), "max_tokens": 1}
     _error(http.post(url + "/v1/completions", json=body), 413, "request_too_large")
     _still_serving(url)
 
 
-def test_a_chunked_body_over_the_limit_is_a_413(small_body_server: _ServerThread) -> None:
+def test_a_chunked_body_over_the_limit_is_a_413(small_body_server: ServerThread) -> None:
     def chunks() -> Iterator[bytes]:  # no Content-Length: the limit must count what arrives
         yield b'{"prompt": "'
         for _ in range(4 * SMALL_BODY_LIMIT // 1024):
@@ -119,13 +96,13 @@ def test_a_chunked_body_over_the_limit_is_a_413(small_body_server: _ServerThread
     _still_serving(small_body_server.url)
 
 
-def test_the_default_body_limit(server: _ServerThread) -> None:
+def test_the_default_body_limit(server: ServerThread) -> None:
     body = {"prompt": "x" * DEFAULT_MAX_BODY_SIZE, "max_tokens": 1}
     _error(http.post(server.url + "/v1/completions", json=body), 413, "request_too_large")
 
 
 @pytest.mark.parametrize("path, param", [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")])
-def test_text_far_beyond_the_context_is_refused_untokenized(server: _ServerThread, engine: AsyncEngine,
+def test_text_far_beyond_the_context_is_refused_untokenized(server: ServerThread, engine: AsyncEngine,
                                                             monkeypatch: pytest.MonkeyPatch, path: str,
                                                             param: str) -> None:
     def refuse(*_: object, **__: object) -> list[int]:
@@ -138,7 +115,7 @@ def test_text_far_beyond_the_context_is_refused_untokenized(server: _ServerThrea
     assert "characters" in message
 
 
-def test_tokenizing_does_not_block_the_event_loop(server: _ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tokenizing_does_not_block_the_event_loop(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     encode = Tokenizer.encode
 
     def slow_encode(self: Tokenizer, *args: object, **kwargs: object) -> list[int]:
@@ -171,7 +148,7 @@ def test_tokenizing_does_not_block_the_event_loop(server: _ServerThread, monkeyp
     ("/v1/completions", b'{"prompt": ["ok", "\\ud800"], "max_tokens": 1}', "prompt"),
     ("/v1/completions", b'{"prompt": "hi", "stop": "\\ud800", "max_tokens": 1}', "stop"),
 ])
-def test_bad_input_is_a_400_not_a_500(server: _ServerThread, path: str, body: dict | bytes, param: str) -> None:
+def test_bad_input_is_a_400_not_a_500(server: ServerThread, path: str, body: dict | bytes, param: str) -> None:
     content = body if isinstance(body, bytes) else None
     resp = http.post(server.url + path, content=content, json=None if content else body,
                      headers={"Content-Type": "application/json"})
@@ -183,26 +160,26 @@ def test_bad_input_is_a_400_not_a_500(server: _ServerThread, path: str, body: di
 
 
 @pytest.mark.parametrize("path", ["/health", "/v1/models", "/metrics"])
-def test_an_unknown_host_name_is_a_403(server: _ServerThread, path: str) -> None:
+def test_an_unknown_host_name_is_a_403(server: ServerThread, path: str) -> None:
     resp = http.get(server.url + path, headers={"Host": f"rebind.attacker.example:{server.port}"})
     assert "rebind.attacker.example" in _error(resp, 403, "host_not_allowed")
 
 
 @pytest.mark.parametrize("host", ["localhost", "LOCALHOST:{port}", "127.0.0.1:{port}", "[::1]:{port}", "[::1]",
                                   "app.localhost:{port}", "192.168.1.20:{port}"])
-def test_loopback_names_and_addresses_are_accepted(server: _ServerThread, host: str) -> None:
+def test_loopback_names_and_addresses_are_accepted(server: ServerThread, host: str) -> None:
     resp = http.get(server.url + "/v1/models", headers={"Host": host.format(port=server.port)})
     assert resp.status_code == 200, resp.text
 
 
-def test_allowed_hosts(named_host_server: _ServerThread, any_host_server: _ServerThread) -> None:
+def test_allowed_hosts(named_host_server: ServerThread, any_host_server: ServerThread) -> None:
     named = named_host_server
     assert http.get(named.url + "/health", headers={"Host": f"my-box.lan:{named.port}"}).status_code == 200
     _error(http.get(named.url + "/health", headers={"Host": "other.lan"}), 403, "host_not_allowed")
     assert http.get(any_host_server.url + "/health", headers={"Host": "anything.example"}).status_code == 200
 
 
-def test_the_openai_client_still_gets_through(server: _ServerThread) -> None:
+def test_the_openai_client_still_gets_through(server: ServerThread) -> None:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert out.choices[0].message.role == "assistant"
@@ -216,7 +193,7 @@ def test_the_openai_client_still_gets_through(server: _ServerThread) -> None:
 # 8: context overflow ------------------------------------------------------------------------------
 
 
-def test_a_prompt_over_the_context_is_a_400_context_length_exceeded(server: _ServerThread,
+def test_a_prompt_over_the_context_is_a_400_context_length_exceeded(server: ServerThread,
                                                                     engine: AsyncEngine) -> None:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     too_long = "x" * (engine.engine.max_model_len + 10)  # one token a character in the tiny vocabulary
