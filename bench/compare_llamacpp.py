@@ -49,6 +49,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn
 from rich.table import Column, Table
 
 from edgeserve.models.catalog import DEFAULT_MODEL, home, pull
+from edgeserve.system import usable_cores
 
 # llama-cpp-python's sdist vendors a llama.cpp that builds on Linux and macOS with plain cmake.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -65,11 +66,6 @@ console = Console(stderr=True)
 
 class ToolError(RuntimeError):
     """A benchmark tool or server failed; the message carries the tail of its output."""
-
-
-def all_cores() -> int:
-    """Cores this process may run on (the affinity mask where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 # ---- finding or building llama.cpp ----------------------------------------------------------------
@@ -127,7 +123,7 @@ def build_llama_cpp(progress: Progress) -> Path:
     run_tool(["cmake", "-S", str(source), "-B", str(source / "build"), "-DCMAKE_BUILD_TYPE=Release",
               "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"], progress, task)
     progress.update(task, description="llama.cpp: build")
-    run_tool(["cmake", "--build", str(source / "build"), "-j", str(all_cores()), "--target", *TOOLS],
+    run_tool(["cmake", "--build", str(source / "build"), "-j", str(usable_cores()), "--target", *TOOLS],
              progress, task, percent=re.compile(r"^\[\s*(\d+)%\]"))
     progress.update(task, completed=100)
     found = tool_dir(source / "build")
@@ -407,7 +403,7 @@ def parse_list(text: str) -> list[int]:
 @click.option("--streams", default="1,4,8,16,32,64", show_default=True, help="Stream counts for batched.")
 @click.option("--http-clients", default=16, show_default=True, help="Concurrent streaming clients for http.")
 @click.option("--http-requests", default=64, show_default=True, help="Requests in the http load.")
-@click.option("--threads", "-t", default=all_cores(), show_default=True,
+@click.option("--threads", "-t", default=usable_cores(), show_default=True,
               help="Threads for llama.cpp, edgeserve and the read probe.")
 @click.option("--repetitions", "-r", default=5, show_default=True, help="llama-bench repetitions per test.")
 @click.option("--weights", default="auto", show_default=True, help="edgeserve --weights (NumPy backend).")
@@ -426,7 +422,7 @@ def main(model_path: Path | None, llama_cpp: Path | None, only: str, streams: st
     gguf = (model_path or pull(DEFAULT_MODEL)).resolve()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > 0.5:
-        console.print(f"[yellow]load average {load:.1f} on {all_cores()} cores before starting: "
+        console.print(f"[yellow]load average {load:.1f} on {usable_cores()} cores before starting: "
                       "other work running now makes every figure noisy (llama.cpp's spinning threads suffer most)")
     failures = []
     # The description keeps its width; the tool's latest line gets what is left of the terminal (run_tool).

@@ -3,6 +3,11 @@
 import os
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def available_memory_bytes() -> int:
     """Memory free for new allocations (Linux); half of physical memory where the OS does not say (macOS)."""
     page = os.sysconf("SC_PAGE_SIZE")

@@ -22,20 +22,20 @@ a machine pays for it.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numba import njit
 
 from edgeserve.backends import qmatmul
+from edgeserve.system import usable_cores
 
 # The extension's fused ops, or None where the numba and NumPy code runs instead. Each op returns
 # False, having done nothing, for arrays laid out in a way it does not take.
 ops = qmatmul._ext if qmatmul.compiled() else None
 # Below this many rows one thread is faster than handing shares to the pool.
 _MIN_ROWS_TO_SPLIT = 4
-_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+_CORES = usable_cores()
 _pool = ThreadPoolExecutor(_CORES - 1, thread_name_prefix="attention") if _CORES > 1 else None
 
 

@@ -41,6 +41,7 @@ from numba import njit, prange
 
 from edgeserve.quant.affine import QuantizedTensor, unpack
 from edgeserve.quant.kquants import Q6_K_OFFSET, SUPER, KQuantTensor
+from edgeserve.system import usable_cores
 
 try:
     from edgeserve.backends import _qmatmul as _ext
@@ -187,7 +188,7 @@ def qembed(w: QMatrix | QuantizedTensor | KQuantTensor, ids: np.ndarray) -> np.n
 def set_num_threads(n: int | None = None) -> int:
     """Threads the kernels use per call (default: every core this process may run on); returns it."""
     if n is None:
-        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        n = usable_cores()
     if _ext is not None and _IMPL == "c":
         return _ext.set_num_threads(n)
     # numba starts its own pool here, so only when its kernels are the ones in use

@@ -9,7 +9,7 @@ import asyncio
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from edgeserve.engine.llm_engine import EngineStats, LLMEngine
@@ -62,12 +62,16 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
                 self.engine.abort(request_id)
 
-    def _drain_inbox(self) -> None:
+    def _take_inbox(self) -> Iterator[tuple[str, Any]]:
+        """The queued messages, oldest first, until the inbox is empty."""
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox(self) -> None:
+        for kind, payload in self._take_inbox():
             if kind == "add":
                 request_id, prompt, params = payload
                 try:
@@ -104,11 +108,7 @@ class AsyncEngine:
         """Fail every stream and pending call: after _error is set, nobody else will answer them."""
         for _, (loop, q) in list(self._streams.items()):
             _post(loop, q.put_nowait, exc)
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for kind, payload in self._take_inbox():
             if kind == "call":
                 _, loop, future = payload
                 _post(loop, future.set_exception, exc)

@@ -65,7 +65,7 @@ class RequestState:
             return
         self.text += self.detokenizer.add(token)
         if p.stop:
-            start = max(0, self.sent - max(len(s) for s in p.stop))  # one may begin in the held-back tail
+            start = max(0, self.sent - self._hold_back - 1)  # one may begin in the held-back tail
             hits = [i for i in (self.text.find(s, start) for s in p.stop) if i >= 0]
             if hits:
                 self.text = self.text[: min(hits)]
