@@ -85,9 +85,9 @@ class AsyncEngine:
                 try:
                     result = fn(self.engine)
                 except Exception as exc:
-                    _post(loop, future.set_exception, exc)
+                    _post(loop, _settle, (future, exc, None))
                 else:
-                    _post(loop, future.set_result, result)
+                    _post(loop, _settle, (future, None, result))
             elif kind == "abort":
                 try:
                     final = self.engine.abort(payload)
@@ -111,7 +111,7 @@ class AsyncEngine:
         for kind, payload in self._take_inbox():
             if kind == "call":
                 _, loop, future = payload
-                _post(loop, future.set_exception, exc)
+                _post(loop, _settle, (future, exc, None))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -177,6 +177,17 @@ class AsyncEngine:
 
 class EngineDeadError(EdgeserveError):
     """The engine thread is gone, so no request can run."""
+
+
+def _settle(outcome: tuple[asyncio.Future, BaseException | None, Any]) -> None:
+    """Give a call's future its exception or result, on its loop, unless its caller cancelled it meanwhile."""
+    future, exc, result = outcome
+    if future.done():  # cancelled after the engine thread took the call: nobody waits for the answer
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Any, arg: Any) -> bool:
