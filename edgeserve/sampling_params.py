@@ -1,8 +1,10 @@
-"""What a request asks of generation: length, sampling, penalties, stops, logprobs."""
+"""What a request asks of generation: length, sampling, penalties, stops, logprobs, and a grammar its output must follow."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from edgeserve.errors import EdgeserveError
 
@@ -37,6 +39,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits, as OpenAI's
+    # At most one grammar the output must follow; the request ends when it is complete.
+    json_schema: dict[str, Any] | str | None = None  # a JSON Schema (as a dict or JSON text)
+    regex: str | None = None
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect, which may embed %json {...})
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,10 +67,24 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
             (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
              "values must be between -100 and 100"),
+            (sum(x is not None for x in (self.json_schema, self.regex, self.grammar)) <= 1, "json_schema",
+             "cannot be combined with regex or grammar: give one of them"),
         ]
         for ok, param, message in checks:
             if not ok:
                 raise InvalidParamsError(f"{param} {message} (got {getattr(self, param)!r})", param)
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """The grammar as (kind, source): kind "json_schema" (source is JSON text), "regex" or "lark"; or None."""
+        if self.json_schema is not None:
+            schema = self.json_schema
+            return "json_schema", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.grammar is not None:
+            return "lark", self.grammar
+        return None
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise InvalidParamsError when logit_bias names a token the model does not have."""

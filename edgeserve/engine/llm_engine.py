@@ -14,6 +14,7 @@ import numpy as np
 from edgeserve.backends import get_backend
 from edgeserve.config import EngineConfig
 from edgeserve.engine.block_manager import BlockManager, blocks_for
+from edgeserve.engine.constraints import Constraints
 from edgeserve.engine.kv_pool import size_pool
 from edgeserve.engine.model_runner import ModelRunner
 from edgeserve.engine.output import Completion, OutputProcessor, RequestOutput
@@ -71,6 +72,7 @@ class LLMEngine:
         self.max_model_len = min(self.context_len, self.pool_size.tokens)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.chat_template = ChatTemplate.for_tokenizer(self.tokenizer)
+        self.constraints = Constraints(self.tokenizer, self.vocab_size)
         self._ids = itertools.count()
         self._stats = EngineStats()
         self._recent: list[tuple[float, int]] = []  # (time, output tokens) per step
@@ -124,6 +126,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if self.output.get(request_id) is not None:
             raise EdgeserveError(f"duplicate request id {request_id!r}")
+        self.constraints.add(request_id, params)
         room = self.max_model_len - len(ids)
         if params.max_tokens > room:
             params = SamplingParams(**{**params.__dict__, "max_tokens": room})
@@ -138,6 +141,7 @@ class LLMEngine:
         if state is None:
             return None
         self.scheduler.finish(state.seq)
+        self.constraints.drop(request_id)
         return self.output.abort(state)
 
     def request_ids(self) -> list[str]:
@@ -154,8 +158,10 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        logits = self._run(scheduled)
         sampling = [item.seq for item in scheduled if item.samples]
+        masks = self.constraints.start_masks(sampling)  # computed while the model runs
+        logits = self._run(scheduled)
+        self.constraints.apply(logits, masks)
         tokens, failed = sample(logits, sampling)
         self._update(scheduled)
         return self._outputs(sampling, tokens, logits, failed)
@@ -205,15 +211,18 @@ class LLMEngine:
             if error is None:
                 try:
                     seq.token_ids.append(token)
-                    out = self.output.process(seq, token, logits[row])
+                    grammar_done = self.constraints.accept(seq, token)
+                    out = self.output.process(seq, token, logits[row], grammar_done)
                 except Exception as exc:  # detokenizing one request must not fail the batch
                     error = f"output failed: {exc}"
             if error is not None:
                 self.scheduler.finish(seq)
+                self.constraints.drop(seq.request_id)
                 outputs.append(self.output.fail(self.output.requests[seq.request_id], error))
                 continue
             if out.finished:
                 self.scheduler.finish(seq)
+                self.constraints.drop(seq.request_id)
             outputs.append(out)
         self._stats.output_tokens += len(seqs)
         now = time.perf_counter()

@@ -1,0 +1,168 @@
+"""Constrained decoding: a request's grammar (JSON Schema, regex, Lark) as a token mask on its row's logits.
+
+llguidance compiles each grammar once (cached by its text) and keeps one matcher per request. The
+masks of a step are computed on a worker thread while the model runs, then applied to the
+constrained rows only, so constrained and free requests share every batched step.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import cached_property
+from pathlib import Path
+
+import llguidance
+import numpy as np
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+
+from edgeserve.engine.sequence import Sequence
+from edgeserve.sampling_params import InvalidParamsError, SamplingParams
+from edgeserve.text.tokenizer import Tokenizer
+
+# JSON as models mostly saw it (`{"a": 1, "b": 2}`): no free whitespace, which a small model can fill forever.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# A masked logit: far below any real one, finite so penalties, temperatures and logprobs stay finite.
+MASKED_LOGIT = -1e30
+GRAMMAR_CACHE_SIZE = 256
+_PARAM = {"json_schema": "json_schema", "regex": "regex", "lark": "grammar"}
+
+
+def grammar_text(kind: str, source: str) -> str:
+    """llguidance's grammar for a constraint (kind "json_schema", "regex" or "lark"); InvalidParamsError if malformed."""
+    if kind == "json_schema":
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
+        except ValueError as exc:
+            raise InvalidParamsError(f"json_schema is not a JSON object: {exc}", "json_schema") from exc
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(source)
+    return llguidance.LLMatcher.grammar_from_lark(source)
+
+
+def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """The model's vocabulary for llguidance, with a mask bit for each of the model's `vocab_size` logits."""
+    eos = sorted(tokenizer.eos_token_ids)
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        path = Path(folder) / "tokenizer.json"
+        if path.exists():
+            return llguidance.LLTokenizer(path.read_text(encoding="utf-8"), n_vocab=vocab_size, eos_token=eos)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_SentencePieceVocab(tokenizer, eos)),
+                                  n_vocab=vocab_size, eos_token=eos)
+
+
+class _SentencePieceVocab:
+    """A SentencePiece vocabulary as the token bytes llguidance's TokenizerWrapper reads."""
+
+    def __init__(self, tokenizer: Tokenizer, eos: list[int]):
+        self.eos_token_id = eos[0] if eos else None
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = [i for i in range(tokenizer.vocab_size) if tokenizer.is_special(i)]
+        self.tokens = [self._bytes(tokenizer, i) for i in range(tokenizer.vocab_size)]
+        self._tokenizer = tokenizer
+
+    @staticmethod
+    def _bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
+        piece = tokenizer.id_to_token(token_id) or ""
+        if tokenizer.is_special(token_id):
+            return b""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # a byte-fallback piece
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_bos=False)
+
+
+class Constraints:
+    """The grammars of the requests in flight: compile (cached), mask their rows, advance them by their tokens."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # the server compiles off the engine thread
+        self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="edgeserve-masks")
+
+    @cached_property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        # about a second to build: only once a request asks for a grammar
+        return ll_tokenizer(self._tokenizer, self.vocab_size)
+
+    @cached_property
+    def _executor(self) -> llguidance.LLExecutor:
+        return llguidance.LLExecutor()
+
+    def compile(self, params: SamplingParams) -> llguidance.LLMatcher | None:
+        """A fresh matcher for the request's grammar (compiled once per grammar text), or None if it has none.
+
+        Raises InvalidParamsError, naming the parameter, when the grammar is invalid.
+        """
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        with self._lock:
+            template = self._compiled.get(constraint)
+            if template is not None:
+                self._compiled.move_to_end(constraint)
+        if template is None:
+            template = self._build(*constraint)
+            with self._lock:
+                self._compiled[constraint] = template
+                while len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+        return template.deep_copy()
+
+    def _build(self, kind: str, source: str) -> llguidance.LLMatcher:
+        grammar = grammar_text(kind, source)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        if error:
+            raise InvalidParamsError(f"invalid {_PARAM[kind]}: {error.strip()}", _PARAM[kind])
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidParamsError(f"invalid {_PARAM[kind]}: {matcher.get_error()}", _PARAM[kind])
+        return matcher
+
+    def add(self, request_id: str, params: SamplingParams) -> None:
+        matcher = self.compile(params)
+        if matcher is not None:
+            self._matchers[request_id] = matcher
+
+    def drop(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def start_masks(self, seqs: list[Sequence]) -> Future | None:
+        """Start computing the masks of the constrained rows among seqs (row i is seqs[i]); None if none is."""
+        rows = [(m, i) for i, seq in enumerate(seqs) if (m := self._matchers.get(seq.request_id)) is not None]
+        if not rows:
+            return None
+        return self._worker.submit(self._fill, rows, len(seqs))
+
+    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], num_rows: int) -> tuple[list[int], np.ndarray]:
+        bitmask = allocate_token_bitmask(num_rows, self.vocab_size)
+        fill_next_token_bitmask_par(self._executor, rows, bitmask)  # llguidance's threads, without the GIL
+        return [i for _, i in rows], bitmask
+
+    def apply(self, logits: np.ndarray, pending: Future | None) -> None:
+        """Set the logits the constrained rows' grammars forbid to MASKED_LOGIT, in place."""
+        if pending is None:
+            return
+        rows, bitmask = pending.result()
+        allowed = np.unpackbits(bitmask[rows].view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
+        logits[rows] = np.where(allowed.astype(bool), logits[rows], np.float32(MASKED_LOGIT))
+
+    def accept(self, seq: Sequence, token: int) -> bool:
+        """Advance seq's grammar by its sampled token; True when the grammar is complete.
+
+        Raises InvalidParamsError when the token breaks the grammar (the request then fails alone).
+        """
+        matcher = self._matchers.get(seq.request_id)
+        if matcher is None:
+            return False
+        if not matcher.consume_token(token):
+            raise InvalidParamsError(f"the output left its grammar: {matcher.get_error()}")
+        return matcher.is_stopped()
