@@ -6,9 +6,7 @@ import ipaddress
 import logging
 import socket
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 
 import click
 import uvicorn
@@ -19,6 +17,7 @@ from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import CATALOG
 from edgeserve.server.app import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, create_app
+from edgeserve.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT, FLUSH_TIMEOUT, DrainingServer
 
 
 def served_model_name(model: str) -> str:
@@ -27,18 +26,6 @@ def served_model_name(model: str) -> str:
     if model in CATALOG or not path.exists():
         return model
     return path.stem if path.is_file() else path.name
-
-
-class _UvicornServer(uvicorn.Server):
-    """On Ctrl-C, ends the open streams first, so shutdown does not wait on them or cut them off."""
-
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
-        super().__init__(config)
-        self._on_exit = on_exit
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._on_exit()
-        super().handle_exit(sig, frame)
 
 
 def _is_loopback(host: str) -> bool:
@@ -76,8 +63,11 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
               help="A Host name to accept besides loopback names and IP addresses (repeatable; '*' accepts "
                    "any). Others get 403, which stops DNS-rebinding web pages.")
+@click.option("--shutdown-timeout", default=DEFAULT_SHUTDOWN_TIMEOUT, show_default=True, type=click.FloatRange(0),
+              help="On SIGTERM or Ctrl-C, seconds running requests get to finish (new ones get 503) before the "
+                   "rest are aborted. A second signal aborts them at once.")
 def serve(model: str, config: EngineConfig, host: str, port: int, api_key: str | None,
-          max_queue: int, max_body_size: int, allowed_hosts: tuple[str, ...]) -> None:
+          max_queue: int, max_body_size: int, allowed_hosts: tuple[str, ...], shutdown_timeout: float) -> None:
     """Serve a model over the OpenAI API (chat and text completions, streaming) for local tools."""
     sock = _listen(host, port)
     engine = build_engine(model, config)
@@ -90,8 +80,8 @@ def serve(model: str, config: EngineConfig, host: str, port: int, api_key: str |
         click.echo(f"warning: listening on {host} without an API key; anyone who can reach it can use it", err=True)
     address = f"[{host}]" if ":" in host else host
     click.echo(f"serving {name} at http://{address}:{sock.getsockname()[1]}/v1 (Ctrl-C stops)")
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=FLUSH_TIMEOUT)
     try:
-        _UvicornServer(config, app.state.server.abort_all).run(sockets=[sock])
+        DrainingServer(config, app.state.server, shutdown_timeout).run(sockets=[sock])
     finally:
         aengine.shutdown()

@@ -9,13 +9,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.gguf_file import read_gguf
 from edgeserve.models.loader import load_folder
-from edgeserve.quant.affine import QuantizedTensor
 from edgeserve.sampling_params import SamplingParams
+from model_folder import write_model_folder
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REFERENCE = json.loads((FIXTURES / "smollm2_transformers_reference.json").read_text())
@@ -64,30 +63,9 @@ def test_greedy_continuations_match_transformers(engine):
         assert tokens == case["greedy_ids"]
 
 
-def _write_folder(loaded_model, out: Path, quantized: bool) -> None:
-    """A Hugging Face (float32) or MLX-format (quantized) folder holding the GGUF's weights."""
-    out.mkdir()
-    tensors, quant = {}, {"group_size": 32, "bits": 4}
-    for name, w in loaded_model.weights.items():
-        if isinstance(w, QuantizedTensor) and quantized:
-            stem = name[: -len(".weight")]
-            tensors[name], tensors[stem + ".scales"], tensors[stem + ".biases"] = w.weight, w.scales, w.biases
-            if (w.bits, w.group_size) != (4, 32):
-                quant[stem] = {"group_size": w.group_size, "bits": w.bits}
-        else:
-            tensors[name] = w.dequantize() if isinstance(w, QuantizedTensor) else np.asarray(w, np.float32)
-    config = loaded_model.args.to_config()
-    config["architectures"] = ["LlamaForCausalLM"]
-    if quantized:
-        config["quantization"] = quant
-    (out / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(out / "model.safetensors"))
-    loaded_model.tokenizer.save_pretrained(out)
-
-
 @pytest.mark.parametrize("quantized", [False, True], ids=["safetensors", "mlx"])
 def test_folders_give_the_gguf_logits(loaded_model, tmp_path, quantized):
-    _write_folder(loaded_model, tmp_path / "m", quantized)
+    write_model_folder(loaded_model, tmp_path / "m", quantized)
     folder = load_folder(tmp_path / "m")
     assert folder.format == ("mlx" if quantized else "safetensors")
     ids = REFERENCE["cases"][1]["prompt_ids"]

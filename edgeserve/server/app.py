@@ -64,6 +64,7 @@ class _Server:
         self.max_queue = max_queue
         self.in_flight = 0  # engine requests submitted through this server and not yet ended
         self.live: set[Generation] = set()
+        self.draining = False  # shutting down: running requests go on, new ones get 503
         self.metrics = ServerMetrics()
         self.started = int(time.time())
 
@@ -93,6 +94,11 @@ class _Server:
                                 f"{self.engine.max_model_len} tokens can hold", param=param,
                            code="context_length_exceeded")
 
+    def check_open(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down and takes no new requests; retry later",
+                           "server_error", code="server_shutting_down")
+
     def authorized(self, headers: Headers) -> bool:
         if self.api_key is None:
             return True
@@ -103,7 +109,8 @@ class _Server:
 
     def start(self, prefix: str, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]],
               max_tokens: int, logprobs: int | None) -> Generation:
-        """Admit the request (or raise 429) and submit one engine request per prompt and choice."""
+        """Admit the request (or raise 429 or 503) and submit one engine request per prompt and choice."""
+        self.check_open()  # again: it may have been tokenizing when the shutdown began
         try:
             params = body.sampling_params(max_tokens, logprobs)
             params.check_vocab(self.engine.vocab_size)
@@ -246,6 +253,9 @@ class _Server:
         if not self.aengine.alive:
             return JSONResponse({"status": "error", "model": self.model_name, "error": self.aengine.error},
                                 status_code=503)
+        if self.draining:
+            return JSONResponse({"status": "draining", "model": self.model_name, "running": len(self.live)},
+                                status_code=503)
         stats = self.aengine.stats()
         return {"status": "ok", "model": self.model_name, "running": stats.running, "waiting": stats.waiting}
 
@@ -280,7 +290,7 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 class _Gate:
-    """ASGI middleware for /v1: the API-key check, and a count of answers by status code.
+    """ASGI middleware for /v1: the API-key check, 503 while shutting down, and a count of answers by status code.
 
     Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would wrap streaming responses
     and change how client disconnects reach them.
@@ -304,6 +314,11 @@ class _Gate:
             error = APIError(401, "missing or incorrect API key; send it as 'Authorization: Bearer KEY'",
                              code="invalid_api_key")
             await error.response()(scope, receive, counting_send)
+            return
+        try:
+            self.server.check_open()
+        except APIError as closed:
+            await closed.response()(scope, receive, counting_send)
             return
         await self.app(scope, receive, counting_send)
 

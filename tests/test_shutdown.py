@@ -1,0 +1,156 @@
+"""SIGTERM and Ctrl-C drain `edgeserve serve`: new requests get 503, running ones finish within the grace
+period or end with finish_reason "abort" (streams with [DONE]), and the process exits 0.
+
+A real server process on the default model, real signals, real HTTP over loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from serve_process import ServeProcess
+
+GRACE = 8.0  # --shutdown-timeout: long enough for a short answer on a busy CPU
+LONG = 1000  # tokens no stream can produce within GRACE on a CPU
+SHORT = 24
+BODY = {"messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}], "ignore_eos": True}
+
+
+def serve(model_path, grace: float) -> Iterator[ServeProcess]:
+    server = ServeProcess(str(model_path), "--kv-memory", "256MiB", "--shutdown-timeout", str(grace))
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def server(model_path) -> Iterator[ServeProcess]:
+    yield from serve(model_path, GRACE)
+
+
+@pytest.fixture
+def patient_server(model_path) -> Iterator[ServeProcess]:
+    yield from serve(model_path, 300)
+
+
+class Stream:
+    """A streaming chat request read on its own thread: its chunks, whether [DONE] came, when it finished."""
+
+    def __init__(self, url: str, max_tokens: int):
+        self.chunks: list[dict] = []
+        self.done = False
+        self.finished_at: float | None = None
+        self.error: Exception | None = None
+        self.started = threading.Event()  # the first content has arrived
+        self._thread = threading.Thread(target=self._read, args=(url, max_tokens), daemon=True)
+        self._thread.start()
+        assert self.started.wait(120), self.error
+
+    def _read(self, url: str, max_tokens: int) -> None:
+        body = {**BODY, "max_tokens": max_tokens, "stream": True}
+        try:
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
+                assert resp.status_code == 200, resp.read()
+                for line in resp.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        self.done = True
+                        continue
+                    choice = json.loads(line[len("data: "):])["choices"][0]
+                    self.chunks.append(choice)
+                    if choice["delta"].get("content"):
+                        self.started.set()
+                    if choice["finish_reason"]:
+                        self.finished_at = time.monotonic()
+        except Exception as exc:
+            self.error = exc
+        finally:
+            self.started.set()
+
+    def join(self) -> None:
+        self._thread.join(60)
+        assert not self._thread.is_alive() and self.error is None, self.error
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.chunks[-1]["finish_reason"] if self.chunks else None
+
+    @property
+    def text(self) -> str:
+        return "".join(c["delta"].get("content", "") for c in self.chunks)
+
+
+def running(url: str) -> int:
+    health = httpx.get(url + "/health", timeout=10).json()
+    return health.get("running", 0) + health.get("waiting", 0)
+
+
+def test_sigterm_lets_running_requests_finish_then_aborts_the_rest(server):
+    url = server.url
+    long_streams = [Stream(url, LONG) for _ in range(3)]
+    answer: dict[str, httpx.Response] = {}
+    plain = threading.Thread(target=lambda: answer.update(r=httpx.post(
+        url + "/v1/chat/completions", json={**BODY, "max_tokens": LONG}, timeout=120)), daemon=True)
+    plain.start()
+    deadline = time.monotonic() + 60
+    while running(url) < 4:
+        assert time.monotonic() < deadline, "the non-streaming request never started"
+        time.sleep(0.05)
+    short = Stream(url, SHORT)
+
+    sigterm = time.monotonic()
+    server.signal(signal.SIGTERM)
+
+    # Draining: new requests are refused with an OpenAI-style 503, and /health says so.
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    deadline = time.monotonic() + 5
+    while True:  # the signal reaches the server at its own pace
+        try:
+            client.chat.completions.create(model="x", messages=BODY["messages"], max_tokens=2)
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503
+            assert exc.body["code"] == "server_shutting_down" and exc.body["type"] == "server_error"
+            break
+        assert time.monotonic() < deadline, "still admitting requests after SIGTERM"
+    health = httpx.get(url + "/health", timeout=10)
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+
+    # The short answer finishes within the grace period; the long ones are aborted at its end.
+    short.join()
+    assert short.finish_reason == "length" and short.done
+    for stream in long_streams:
+        stream.join()
+        assert stream.finish_reason == "abort" and stream.done and stream.text
+        assert stream.finished_at - sigterm > GRACE - 1
+    plain.join(60)
+    resp = answer["r"]
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["choices"][0]["finish_reason"] == "abort" and body["choices"][0]["message"]["content"]
+    assert 0 < body["usage"]["completion_tokens"] < LONG
+
+    assert server.wait(30) == 0
+    log = server.output()
+    assert "graceful shutdown exceeded" not in log and "Traceback" not in log
+
+
+def test_a_second_ctrl_c_aborts_at_once(patient_server):
+    stream = Stream(patient_server.url, LONG)
+    patient_server.signal(signal.SIGINT)
+    time.sleep(1)
+    assert stream.finished_at is None  # the first one only drains, for up to 300 s
+    second = time.monotonic()
+    patient_server.signal(signal.SIGINT)
+    stream.join()
+    assert stream.finish_reason == "abort" and stream.done
+    assert stream.finished_at - second < 5
+    assert patient_server.wait(30) == 0
+    assert "Traceback" not in patient_server.output()
