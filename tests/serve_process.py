@@ -1,16 +1,21 @@
-"""`edgeserve serve` as a child process on a loopback port, for tests that signal, kill or restart it."""
+"""`edgeserve serve` as a child process on a loopback port, for tests that signal, kill or restart it, and
+streaming requests to it read on threads of their own."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
+
+STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
 
 
 def free_port() -> int:
@@ -70,3 +75,57 @@ class ServeProcess:
             self.proc.kill()
             self.proc.wait()
         self._log.close()
+
+
+class Stream:
+    """A streaming chat request read on its own thread: its chunks, whether [DONE] came, when it finished."""
+
+    def __init__(self, url: str, max_tokens: int):
+        self.chunks: list[dict] = []
+        self.done = False
+        self.finished_at: float | None = None
+        self.error: Exception | None = None  # the connection's, if it broke
+        self.errors: list[dict] = []  # error events in the stream
+        self.started = threading.Event()  # the first content has arrived
+        self._thread = threading.Thread(target=self._read, args=(url, max_tokens), daemon=True)
+        self._thread.start()
+        assert self.started.wait(120), self.error
+
+    def _read(self, url: str, max_tokens: int) -> None:
+        body = {"messages": STORY, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
+                assert resp.status_code == 200, resp.read()
+                for line in resp.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        self.done = True
+                        continue
+                    event = json.loads(line[len("data: "):])
+                    if "error" in event:
+                        self.errors.append(event["error"])
+                        continue
+                    choice = event["choices"][0]
+                    self.chunks.append(choice)
+                    if choice["delta"].get("content"):
+                        self.started.set()
+                    if choice["finish_reason"]:
+                        self.finished_at = time.monotonic()
+        except Exception as exc:
+            self.error = exc
+        finally:
+            self.started.set()
+
+    def join(self) -> None:
+        """Wait for the end of the stream (or of its connection)."""
+        self._thread.join(60)
+        assert not self._thread.is_alive()
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.chunks[-1]["finish_reason"] if self.chunks else None
+
+    @property
+    def text(self) -> str:
+        return "".join(c["delta"].get("content", "") for c in self.chunks)

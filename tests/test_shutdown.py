@@ -6,7 +6,6 @@ A real server process on the default model, real signals, real HTTP over loopbac
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
@@ -16,12 +15,12 @@ import httpx
 import openai
 import pytest
 
-from serve_process import ServeProcess
+from serve_process import STORY, ServeProcess, Stream
 
 GRACE = 8.0  # --shutdown-timeout: long enough for a short answer on a busy CPU
 LONG = 1000  # tokens no stream can produce within GRACE on a CPU
 SHORT = 24
-BODY = {"messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}], "ignore_eos": True}
+BODY = {"messages": STORY, "ignore_eos": True}
 
 
 def serve(model_path, grace: float) -> Iterator[ServeProcess]:
@@ -38,54 +37,6 @@ def server(model_path) -> Iterator[ServeProcess]:
 @pytest.fixture
 def patient_server(model_path) -> Iterator[ServeProcess]:
     yield from serve(model_path, 300)
-
-
-class Stream:
-    """A streaming chat request read on its own thread: its chunks, whether [DONE] came, when it finished."""
-
-    def __init__(self, url: str, max_tokens: int):
-        self.chunks: list[dict] = []
-        self.done = False
-        self.finished_at: float | None = None
-        self.error: Exception | None = None
-        self.started = threading.Event()  # the first content has arrived
-        self._thread = threading.Thread(target=self._read, args=(url, max_tokens), daemon=True)
-        self._thread.start()
-        assert self.started.wait(120), self.error
-
-    def _read(self, url: str, max_tokens: int) -> None:
-        body = {**BODY, "max_tokens": max_tokens, "stream": True}
-        try:
-            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
-                assert resp.status_code == 200, resp.read()
-                for line in resp.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
-                        self.done = True
-                        continue
-                    choice = json.loads(line[len("data: "):])["choices"][0]
-                    self.chunks.append(choice)
-                    if choice["delta"].get("content"):
-                        self.started.set()
-                    if choice["finish_reason"]:
-                        self.finished_at = time.monotonic()
-        except Exception as exc:
-            self.error = exc
-        finally:
-            self.started.set()
-
-    def join(self) -> None:
-        self._thread.join(60)
-        assert not self._thread.is_alive() and self.error is None, self.error
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.chunks[-1]["finish_reason"] if self.chunks else None
-
-    @property
-    def text(self) -> str:
-        return "".join(c["delta"].get("content", "") for c in self.chunks)
 
 
 def running(url: str) -> int:
@@ -125,10 +76,10 @@ def test_sigterm_lets_running_requests_finish_then_aborts_the_rest(server):
 
     # The short answer finishes within the grace period; the long ones are aborted at its end.
     short.join()
-    assert short.finish_reason == "length" and short.done
+    assert short.error is None and short.finish_reason == "length" and short.done
     for stream in long_streams:
         stream.join()
-        assert stream.finish_reason == "abort" and stream.done and stream.text
+        assert stream.error is None and stream.finish_reason == "abort" and stream.done and stream.text
         assert stream.finished_at - sigterm > GRACE - 1
     plain.join(60)
     resp = answer["r"]
@@ -150,7 +101,7 @@ def test_a_second_ctrl_c_aborts_at_once(patient_server):
     second = time.monotonic()
     patient_server.signal(signal.SIGINT)
     stream.join()
-    assert stream.finish_reason == "abort" and stream.done
+    assert stream.error is None and stream.finish_reason == "abort" and stream.done
     assert stream.finished_at - second < 5
     assert patient_server.wait(30) == 0
     assert "Traceback" not in patient_server.output()

@@ -6,6 +6,7 @@ Every front end (server, chat, TUI) shares one AsyncEngine, so all their session
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import uuid
@@ -16,6 +17,10 @@ from edgeserve.engine.llm_engine import EngineStats, LLMEngine
 from edgeserve.engine.output import RequestOutput
 from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import SamplingParams
+
+# A test hook for the fault tests: with this set to N, the engine thread raises after its Nth step,
+# outside the step's own error handling, as a bug in the loop itself would.
+FAULT_ENV = "EDGESERVE_TEST_ENGINE_FAULT"
 
 
 class AsyncEngine:
@@ -28,6 +33,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._error: BaseException | None = None  # why the engine thread died, if it did
+        self._fault_after = int(os.environ.get(FAULT_ENV, "0"))
         self._thread = threading.Thread(target=self._loop, name="edgeserve-engine", daemon=True)
         self._thread.start()
 
@@ -114,6 +120,7 @@ class AsyncEngine:
                 _post(loop, _settle, (future, exc, None))
 
     def _run(self) -> None:
+        steps = 0
         while not self._stop.is_set():
             self._drain_inbox()
             if not self.engine.has_unfinished():
@@ -131,6 +138,9 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out, out.request_id)
             self._stats = self.engine.stats()
+            steps += 1
+            if steps == self._fault_after:
+                raise RuntimeError(f"injected engine fault after {steps} steps ({FAULT_ENV})")
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
