@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from edgeserve.engine.kv_pool import KVPool
 
 Weights = dict[str, HostWeight]  # under Hugging Face names, whatever the file format
+LONGROPE = ("longrope", "su")  # rope_type of Phi-3's LongRoPE ("su" in older configs)
 
 
 @dataclass
@@ -48,6 +49,12 @@ class ModelArgs:
         names = set(cls.__dataclass_fields__) - {"extra"}
         args = {k: v for k, v in config.items() if k in names}
         args.setdefault("num_key_value_heads", config["num_attention_heads"])
+        # transformers 5 writes RoPE as one "rope_parameters" entry, theta included
+        rope = config.get("rope_parameters")
+        if rope:
+            args["rope_theta"] = args.get("rope_theta") or rope.get("rope_theta", cls.rope_theta)
+            if not args.get("rope_scaling") and rope.get("rope_type", rope.get("type", "default")) != "default":
+                args["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         return cls(**args)
 
     def to_config(self) -> dict[str, Any]:
@@ -77,6 +84,24 @@ class ModelArgs:
         return config
 
 
+@dataclass
+class WindowedArgs(ModelArgs):
+    """The arguments of a family whose attention may look back only `sliding_window` tokens
+    (Mistral 7B v0.1: 4096 of a 32k context; None: every earlier token is seen).
+
+    The attention ops see a sequence whole, which is the windowed attention exactly while no
+    sequence is longer than the window: a model whose window is shorter than its context runs with
+    its context cut to the window, so a longer prompt is refused as too long, never answered wrong.
+    """
+
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sliding_window and self.sliding_window < self.max_position_embeddings:
+            self.max_position_embeddings = self.sliding_window
+
+
 def rope_inv_freq(args: ModelArgs) -> np.ndarray:
     """Inverse frequencies, with Llama 3 style scaling where the config asks for it."""
     dim = args.head_dim
@@ -98,7 +123,25 @@ def rope_inv_freq(args: ModelArgs) -> np.ndarray:
         inv = inv / scaling["factor"]
     elif kind == "factors":  # GGUF's rope_freqs tensor: the same Llama 3 scaling, precomputed
         inv = inv / np.asarray(scaling["factors"], dtype=np.float64)
+    elif kind in LONGROPE:
+        # transformers takes the long factors for a whole sequence once it outgrows the original
+        # context (and recomputes its cache then); K/V cached in the pool cannot change, so one
+        # set serves every sequence: the long one wherever the context outgrows the original
+        long = args.max_position_embeddings > scaling["original_max_position_embeddings"]
+        inv = inv / np.asarray(scaling["long_factor" if long else "short_factor"], dtype=np.float64)
     return inv
+
+
+def rope_attention_factor(args: ModelArgs) -> float:
+    """How much LongRoPE scales cos and sin (so q·k by its square); 1 for every other RoPE."""
+    scaling = args.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) not in LONGROPE:
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or args.max_position_embeddings / original
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 
@@ -106,6 +149,7 @@ class Model(Protocol):
     """A model built for one backend: one forward pass per engine step."""
 
     args: ModelArgs
+    layer_weights: tuple[str, ...]  # each layer's weights under Hugging Face names, which the loader checks
 
     def forward(self, batch: Batch, kv: KVPool) -> Array:
         """Run one step over the ragged batch; return logits of the rows in batch.logits_indices."""

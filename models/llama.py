@@ -61,12 +61,16 @@ class Attention:
             qkv = qkv + self.qkv_bias
         t = qkv.shape[0]
         k_end = (n_q + n_kv) * hd
-        qk = be.apply_rope(qkv[:, :k_end].reshape(t, n_q + n_kv, hd), meta)  # q and k heads in one call
-        q, k = qk[:, :n_q], qk[:, n_q:]
+        q, k = self.position(be, qkv[:, :k_end].reshape(t, n_q + n_kv, hd), meta)
         v = qkv[:, k_end:].reshape(t, n_kv, hd)
         kv.write(layer, k, v, meta)
         o = be.paged_attention(q, kv.k[layer], kv.v[layer], meta)
         return be.matmul(o.reshape(t, n_q * hd), self.o)
+
+    def position(self, be: Backend, qk: Array, meta: StepMeta) -> tuple[Array, Array]:
+        """q and k of the q then k heads qk [T, n_q + n_kv, head_dim], rotated to their positions."""
+        qk = be.apply_rope(qk, meta)  # q and k heads in one call
+        return qk[:, : self.n_heads], qk[:, self.n_heads :]
 
 
 @dataclass
@@ -103,6 +107,11 @@ class Llama:
 
     attention_class: type[Attention] = Attention
     mlp_class: type[MLP] = MLP
+    # what each layer's checkpoint holds, under Hugging Face names (the loader checks it is all there)
+    layer_weights: tuple[str, ...] = (
+        "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+        "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+    )
 
     def __init__(self, args: ModelArgs, weights: Weights, backend: Backend):
         self.args = args
@@ -114,6 +123,14 @@ class Llama:
         self.norm = be.vector(weights["model.norm.weight"])
         self.layers = [self.load_layer(weights, f"model.layers.{i}.") for i in range(args.num_hidden_layers)]
         self.rope = be.rope_tables(rope_inv_freq(args), args.max_position_embeddings)
+        # The backend may run plain blocks as one call; a family that changes a part runs its own code.
+        self.fused_blocks = be.fuse_blocks(self.layers, args.rms_norm_eps) if self.has_plain_blocks() else None
+
+    def has_plain_blocks(self) -> bool:
+        """Whether every block is this file's Llama block, as a backend's fused blocks compute it."""
+        cls = type(self)
+        return (cls.block is Llama.block and cls.load_layer is Llama.load_layer and cls.attention_class is Attention
+                and cls.mlp_class is MLP)
 
     def load_layer(self, weights: Weights, prefix: str) -> Layer:
         be = self.backend
@@ -135,7 +152,10 @@ class Llama:
         be = self.backend
         meta = be.batch_meta(batch, self.rope)
         h = be.embed(self.embed, meta.token_ids)
-        for i, layer in enumerate(self.layers):
-            h = self.block(layer, i, h, kv, meta)
+        if self.fused_blocks is not None:
+            h = self.fused_blocks(h, kv, meta)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = self.block(layer, i, h, kv, meta)
         h = be.rms_norm(be.take_rows(h, meta.logits_indices), self.norm, self.args.rms_norm_eps)
         return be.lm_head(h, self.lm_head)

@@ -31,6 +31,9 @@ _GGUF_LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -40,6 +43,7 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_GGUF_ROPE_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}  # become args
 
 
 @dataclass
@@ -122,9 +126,19 @@ def gguf_args(g: GGUFFile) -> ModelArgs:
     rope_scaling = None
     if "rope_freqs.weight" in g.tensors:  # Llama 3.1+: per-frequency divisors stored as a tensor
         rope_scaling = {"rope_type": "factors", "factors": gguf_tensor_to_array(g.tensors["rope_freqs.weight"]).tolist()}
+    elif "rope_factors_long.weight" in g.tensors:  # Phi-3 LongRoPE: both factor sets stored as tensors
+        rope_scaling = {"rope_type": "longrope",
+                        "long_factor": gguf_tensor_to_array(g.tensors["rope_factors_long.weight"]).tolist(),
+                        "short_factor": gguf_tensor_to_array(g.tensors["rope_factors_short.weight"]).tolist(),
+                        "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+                        "attention_factor": md.get(f"{arch}.rope.scaling.attn_factor")}
     elif md.get(f"{arch}.rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(md[f"{arch}.rope.scaling.factor"])}
-    return architecture(model_type, g.path).args(
+    args_class = architecture(model_type, g.path).args
+    window = {}
+    if "sliding_window" in args_class.__dataclass_fields__ and md.get(f"{arch}.attention.sliding_window"):
+        window["sliding_window"] = int(md[f"{arch}.attention.sliding_window"])
+    return args_class(
         hidden_size=hidden,
         num_hidden_layers=int(get("block_count")),
         intermediate_size=int(get("feed_forward_length")),
@@ -139,22 +153,25 @@ def gguf_args(g: GGUFFile) -> ModelArgs:
         attention_bias="blk.0.attn_q.bias" in g.tensors,
         head_dim=int(md.get(f"{arch}.attention.key_length", hidden // n_heads)),
         model_type=model_type,
+        **window,
     )
 
 
 def gguf_weights(g: GGUFFile, args: ModelArgs) -> Weights:
-    permuted = architecture(args.model_type, g.path).gguf_rope_permuted
+    family = architecture(args.model_type, g.path)
+    permuted = family.gguf_rope_permuted
+    layer_names = {**_GGUF_LAYER_NAMES, **family.gguf_layer_names}
     weights: Weights = {}
     for name, t in g.tensors.items():
-        if name == "rope_freqs.weight":
+        if name in _GGUF_ROPE_TENSORS:
             continue
         if name in _GGUF_GLOBAL_NAMES:
             hf = _GGUF_GLOBAL_NAMES[name]
         else:
             parts = name.split(".")  # blk.N.kind.weight|bias
-            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in layer_names:
                 raise ModelLoadError(f"{g.path}: unexpected tensor {name!r}")
-            hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+            hf = f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
         w = gguf_tensor_to_array(t)
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
             heads = args.num_attention_heads if ".q_proj." in hf else args.num_key_value_heads
@@ -238,8 +255,9 @@ def load_folder(path: Path) -> LoadedModel:
 
 def _check_complete(weights: Weights, args: ModelArgs, path: Path) -> None:
     needed = ["model.embed_tokens.weight", "model.norm.weight"]
+    layer_weights = architecture(args.model_type, path).model.layer_weights
     for i in range(args.num_hidden_layers):
-        needed += [f"model.layers.{i}.{n}.weight" for n in _GGUF_LAYER_NAMES.values()]
+        needed += [f"model.layers.{i}.{n}.weight" for n in layer_weights]
     missing = [n for n in needed if n not in weights]
     if missing:
         raise ModelLoadError(f"{path}: missing weights {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))

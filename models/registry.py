@@ -2,21 +2,23 @@
 `general.architecture` → that model_type. The one list of what is supported.
 
 Adding a family: write models/<family>.py (a `Llama` subclass overriding the parts that differ,
-or any class built as `cls(args, weights, backend)` with a `forward(batch, kv)`; a `ModelArgs`
-subclass where it has more arguments) and add its line to ARCHITECTURES.
+or any class built as `cls(args, weights, backend)` with a `forward(batch, kv)` and its
+`layer_weights`; a `ModelArgs` subclass where it has more arguments) and add its line to ARCHITECTURES.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 from edgeserve.backends.base import Backend
 from edgeserve.errors import ModelLoadError
-from edgeserve.models.base import Model, ModelArgs, Weights
+from edgeserve.models.base import Model, ModelArgs, Weights, WindowedArgs
 from edgeserve.models.llama import Llama, Qwen2Args
+from edgeserve.models.phi3 import Phi3, Phi3Args
+from edgeserve.models.qwen3 import Qwen3
 
 T = TypeVar("T")
 
@@ -31,12 +33,17 @@ class Architecture:
     gguf_name: str | None = None  # GGUF general.architecture of its files; None: GGUF not supported
     # llama.cpp's converter permutes q/k rows of this family for interleaved (GPT-J) RoPE
     gguf_rope_permuted: bool = False
+    # GGUF layer tensor kinds that mean something else in this family (e.g. Phi-3's fused ffn_up)
+    gguf_layer_names: dict[str, str] = field(default_factory=dict)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(Llama, "LlamaForCausalLM", gguf_name="llama", gguf_rope_permuted=True),
-    "mistral": Architecture(Llama, "MistralForCausalLM"),
+    "mistral": Architecture(Llama, "MistralForCausalLM", WindowedArgs),  # GGUF: written as llama
+    "phi3": Architecture(Phi3, "Phi3ForCausalLM", Phi3Args, gguf_name="phi3",
+                         gguf_layer_names={"ffn_up": "mlp.gate_up_proj"}),
     "qwen2": Architecture(Llama, "Qwen2ForCausalLM", Qwen2Args, gguf_name="qwen2"),
+    "qwen3": Architecture(Qwen3, "Qwen3ForCausalLM", gguf_name="qwen3"),
     "smollm": Architecture(Llama, "LlamaForCausalLM"),
     "smollm2": Architecture(Llama, "LlamaForCausalLM"),
 }

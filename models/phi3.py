@@ -1,0 +1,64 @@
+"""Phi-3: Llama blocks whose checkpoints hold q/k/v as one `qkv_proj` and gate/up as one
+`gate_up_proj`, with LongRoPE (short and long per-frequency factors, and an attention factor) in
+the 128k-context models, and an attention window in some configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edgeserve.backends.base import Array, Backend, StepMeta
+from edgeserve.errors import ModelLoadError
+from edgeserve.models.base import LONGROPE, ModelArgs, Weights, WindowedArgs, rope_attention_factor
+from edgeserve.models.llama import MLP, Attention, Llama
+
+
+@dataclass
+class Phi3Args(WindowedArgs):
+    original_max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        scaling = self.rope_scaling or {}
+        if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ModelLoadError(f"phi3 with RoPE over part of each head (partial_rotary_factor "
+                                 f"{scaling['partial_rotary_factor']}, as in Phi-4-mini) is not supported")
+        if scaling.get("rope_type", scaling.get("type")) in LONGROPE:
+            original = scaling.get("original_max_position_embeddings") or self.original_max_position_embeddings
+            if original is None:
+                raise ModelLoadError("phi3 LongRoPE without original_max_position_embeddings")
+            self.original_max_position_embeddings = original
+            self.rope_scaling = {**scaling, "original_max_position_embeddings": original}
+            # fixed before an attention window may cut max_position_embeddings, which it derives from
+            self.rope_scaling["attention_factor"] = rope_attention_factor(self)
+        super().__post_init__()
+
+
+@dataclass
+class Phi3Attention(Attention):
+    rope_factor: float = 1.0  # LongRoPE's scale of cos and sin
+
+    @classmethod
+    def load(cls, args: ModelArgs, weights: Weights, prefix: str, be: Backend) -> Phi3Attention:
+        return cls(args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+                   qkv=be.linear([weights[prefix + "qkv_proj.weight"]]), qkv_bias=None,
+                   o=be.linear([weights[prefix + "o_proj.weight"]]), rope_factor=rope_attention_factor(args))
+
+    def position(self, be: Backend, qk: Array, meta: StepMeta) -> tuple[Array, Array]:
+        q, k = super().position(be, qk, meta)
+        if self.rope_factor != 1.0:  # transformers scales q and k: their product is what attention sees
+            q = q * (self.rope_factor * self.rope_factor)
+        return q, k
+
+
+@dataclass
+class Phi3MLP(MLP):
+    @classmethod
+    def load(cls, args: ModelArgs, weights: Weights, prefix: str, be: Backend) -> Phi3MLP:
+        return cls(gate_up=be.linear([weights[prefix + "gate_up_proj.weight"]]),
+                   down=be.linear([weights[prefix + "down_proj.weight"]]))
+
+
+class Phi3(Llama):
+    attention_class = Phi3Attention
+    mlp_class = Phi3MLP
+    layer_weights = ("input_layernorm", "post_attention_layernorm", "self_attn.qkv_proj", "self_attn.o_proj",
+                     "mlp.gate_up_proj", "mlp.down_proj")
