@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import signal
 import sys
 import uuid
@@ -18,7 +17,9 @@ from rich.markup import escape
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.chat_clients import ChatClient, EngineClient, ReplyChunk, ReplyStats
 from edgeserve.cli.chat_turn import Turn
-from edgeserve.cli.options import build_engine, model_options
+from edgeserve.cli.feedback import PromptSpinner, stderr_console
+from edgeserve.cli.markdown_stream import MarkdownStream
+from edgeserve.cli.options import build_engine, model_options, sampling_options
 from edgeserve.config import EngineConfig
 from edgeserve.cli.conversation import COMMANDS, Conversation
 from edgeserve.errors import EdgeserveError
@@ -65,12 +66,20 @@ def _prompt_session() -> PromptSession:
 
 
 class ChatRepl:
-    """Read a line, run it as a slash command or send it with the whole history, stream the answer."""
+    """Read a line, run it as a slash command or send it with the whole history, stream the answer.
 
-    def __init__(self, client: ChatClient, conversation: Conversation, console: Console | None = None):
+    Answers go to stdout (as Markdown on a terminal, unless plain); notes, /help and /stats go to stderr,
+    so piped output carries the answers only.
+    """
+
+    def __init__(self, client: ChatClient, conversation: Conversation, markdown: bool = True):
         self.client = client
         self.conversation = conversation
-        self.console = console or Console(highlight=False, soft_wrap=True)
+        self.out = Console(highlight=False, soft_wrap=True)
+        self.console = stderr_console()
+        self.markdown = markdown and self.out.is_terminal
+        self.view: MarkdownStream | None = None  # the answer streaming as Markdown
+        self.spinner: PromptSpinner | None = None
         self.last: ReplyStats | None = None
         # line editing needs a terminal; piped input is read line by line
         self.session = _prompt_session() if sys.stdin.isatty() else None
@@ -158,6 +167,7 @@ class ChatRepl:
         if turn.dropped:
             self.note(f"the conversation outgrew the context: dropped the {turn.dropped} oldest messages "
                       f"(/reset starts afresh)")
+        self.spinner = PromptSpinner(self.console, self.client.count_tokens(self.conversation.messages()))
         # the answer streams in a task of its own, so that Ctrl-C can cancel it and leave the REPL running
         task = asyncio.ensure_future(turn.answer(f"chat-{uuid.uuid4().hex[:12]}", self._print))
         loop = asyncio.get_running_loop()
@@ -165,44 +175,57 @@ class ChatRepl:
         try:
             stats = await task
         except asyncio.CancelledError:
-            self.console.print()
+            self._end_answer()
             self.note("[interrupted]")
             return
         except EdgeserveError as exc:
-            self.console.print()
+            self._end_answer()
             self.error(str(exc))
             return
         finally:
             loop.remove_signal_handler(signal.SIGINT)
+        self._end_answer()
         if stats is not None:
             self.last = stats
-            self.console.print()
             note = stats.summary()
             if stats.finish_reason == "length":
                 note += " · stopped at max_tokens"
             self.note(note)
 
-    @staticmethod
-    def _print(chunk: ReplyChunk) -> None:
-        if chunk.text:
+    def _print(self, chunk: ReplyChunk) -> None:
+        if not chunk.text:
+            return
+        self.spinner.stop()
+        if not self.markdown:
             sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            return
+        if self.view is None:
+            self.view = MarkdownStream(self.out)
+        self.view.add(chunk.text)
+
+    def _end_answer(self) -> None:
+        """Stop the spinner, draw the whole answer, and end its line."""
+        self.spinner.stop()
+        if self.view is not None:
+            self.view.end()
+            self.view = None
+        elif not self.markdown:
+            sys.stdout.write("\n")
             sys.stdout.flush()
 
 
 @click.command()
 @model_options
+@sampling_options(temperature=0.7, max_tokens=1024)
 @click.option("--system", default=None, help="System prompt.")
-@click.option("--temperature", "-t", default=0.7, show_default=True, help="0 is greedy.")
-@click.option("--max-tokens", "-n", default=1024, show_default=True, help="Most tokens per answer.")
-@click.option("--context", type=click.IntRange(min=16), default=None,
-              help="Limit the context to this many tokens (default: the model's).")
-def chat(model: str, config: EngineConfig, system: str | None, temperature: float,
-         max_tokens: int, context: int | None) -> None:
+@click.option("--plain", is_flag=True, help="Print answers as plain text, not rendered as Markdown.")
+def chat(model: str, config: EngineConfig, settings: dict, system: str | None, plain: bool) -> None:
     """Talk with a model in the terminal; the answer streams as it is generated."""
-    conversation = Conversation(system=system, settings={"temperature": temperature, "max_tokens": max_tokens})
-    engine = build_engine(model, dataclasses.replace(config, max_model_len=context))
+    conversation = Conversation(system=system, settings=settings)
+    engine = build_engine(model, config)
     aengine = AsyncEngine(engine)
     try:
-        asyncio.run(ChatRepl(EngineClient(aengine), conversation).run())
+        asyncio.run(ChatRepl(EngineClient(aengine), conversation, markdown=not plain).run())
     finally:
         aengine.shutdown()

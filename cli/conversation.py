@@ -27,6 +27,7 @@ SETTINGS: dict[str, type] = {
     "seed": int,
 }
 
+EXITS = ("/exit", "/bye", "/quit")
 COMMANDS: list[tuple[str, str]] = [
     ("/help", "this help"),
     ("/reset", "forget the conversation (the system prompt and settings stay)"),
@@ -35,7 +36,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("/save FILE", "save the conversation as JSON"),
     ("/load FILE", "load a conversation saved with /save (or a JSON list of messages)"),
     ("/stats", "engine and conversation statistics"),
-    ("/exit", "leave"),
+    ("/exit, /bye, /quit", "leave"),
 ]
 
 
@@ -162,8 +163,10 @@ class Conversation:
         arg = arg.strip()
         if answering and name in ("/reset", "/load"):
             raise CommandError(f"{name} must wait until the answer ends (Esc stops it)")
-        if name in ("/help", "/stats", "/exit"):
+        if name in ("/help", "/stats"):
             return CommandOutcome(action=name[1:])
+        if name in EXITS:
+            return CommandOutcome(action="exit")
         if name == "/reset":
             self.reset()
             return CommandOutcome("conversation cleared", "history")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -14,6 +15,8 @@ from edgeserve.quant.convert import check_output, convert
 from edgeserve.quant.perplexity import text_perplexity
 from edgeserve.quant.report import SHIPPED_TEXT, SHIPPED_TEXT_TITLE, quality_report
 from edgeserve.units import format_size
+
+PERPLEXITY_WINDOW = 512  # tokens, where --ctx-size is not given
 
 
 @click.command("convert")
@@ -56,10 +59,11 @@ def eval_group() -> None:
 @model_options
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help=f"UTF-8 text file  [default: {SHIPPED_TEXT_TITLE}]")
-@click.option("--ctx", type=click.IntRange(min=2), default=512, show_default=True,
-              help="Window length in tokens (windows overlap by half).")
-def perplexity_cmd(model: str, config: EngineConfig, text_path: Path | None, ctx: int) -> None:
-    """Perplexity of a model on a text, over sliding windows."""
+def perplexity_cmd(model: str, config: EngineConfig, text_path: Path | None) -> None:
+    """Perplexity of a model on a text, over sliding windows of --ctx-size tokens (default 512) that
+    overlap by half."""
+    ctx = config.max_model_len or PERPLEXITY_WINDOW
+    config = dataclasses.replace(config, max_model_len=ctx)
     try:
         text = (text_path or SHIPPED_TEXT).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:

@@ -13,30 +13,61 @@ from edgeserve.config import DEFAULT_KV_MEMORY, EngineConfig
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.models.loader import load_model
+from edgeserve.sampling_params import SamplingParams
 
 
 def model_options(run: Callable) -> Callable:
-    """--model, and the engine's --backend, --weights, --kv-memory and --threads, which reach the
-    command as one EngineConfig argument `config`."""
+    """--model, and the engine's --backend, --weights, --kv-memory, --threads and --ctx-size, which reach
+    the command as one EngineConfig argument `config`."""
 
     @functools.wraps(run)
     def command(*args: object, backend: str, weights: str, kv_memory: str, threads: int | None,
-                **kwargs: object) -> object:
-        config = EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory, threads=threads)
+                ctx_size: int | None, **kwargs: object) -> object:
+        config = EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory, threads=threads,
+                              max_model_len=ctx_size)
         return run(*args, config=config, **kwargs)
 
-    f = click.option("--threads", type=click.IntRange(min=1), default=None,
-                     help="CPU threads for the NumPy backend's kernels  [default: every core]")(command)
+    f = click.option("--ctx-size", "-c", type=click.IntRange(min=16), default=None,
+                     help="Context length in tokens  [default: the model's]")(command)
+    f = click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
+                     help="CPU threads for the NumPy backend's kernels  [default: every core]")(f)
     f = click.option("--kv-memory", default=DEFAULT_KV_MEMORY, show_default=True,
                      help="KV pool size: 2GiB, 512MiB, or a fraction of free memory (0.25, 25%).")(f)
     f = click.option("--weights", type=click.Choice(["auto", *WEIGHT_MODES]), default="auto", show_default=True,
                      help="NumPy backend: compute from the quantized storage (least memory, fastest where "
                           "the C kernels built) or float32 copies (the exact reference); auto picks.")(f)
-    f = click.option("--backend", default="auto", show_default=True,
-                     help=f"Array backend ({', '.join(BACKENDS)}): auto takes MLX on a GPU, NumPy on the CPU.")(f)
+    f = click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+                     help="Array backend: auto takes MLX on a GPU, NumPy on the CPU.")(f)
     f = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
                      help="Catalog name, local GGUF file or model folder, or Hugging Face hub id.")(f)
     return f
+
+
+def sampling_options(temperature: float, max_tokens: int) -> Callable[[Callable], Callable]:
+    """--max-tokens, --temperature (--temp), --top-p, --top-k, --min-p and --seed, with this command's defaults;
+    they reach the command as one dict `settings` of SamplingParams fields, checked before anything loads."""
+
+    def decorate(run: Callable) -> Callable:
+        @functools.wraps(run)
+        def command(*args: object, max_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
+                    seed: int | None, **kwargs: object) -> object:
+            settings = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                        "min_p": min_p, **({} if seed is None else {"seed": seed})}
+            SamplingParams(**settings)
+            return run(*args, settings=settings, **kwargs)
+
+        f = click.option("--seed", type=int, default=None, help="Sampling seed (same seed, same text).")(command)
+        f = click.option("--min-p", type=float, default=0.0, show_default=True,
+                         help="Drop tokens less likely than this fraction of the likeliest; 0 is off.")(f)
+        f = click.option("--top-k", type=int, default=0, show_default=True,
+                         help="Sample from the k likeliest tokens; 0 is off.")(f)
+        f = click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling; 1 is off.")(f)
+        f = click.option("--temperature", "--temp", type=float, default=temperature, show_default=True,
+                         help="0 is greedy.")(f)
+        return click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=max_tokens,
+                            show_default=True, help="Most tokens per answer.")(f)
+
+    return decorate
 
 
 def build_engine(model: str, config: EngineConfig, quiet: bool = False) -> LLMEngine:

@@ -5,46 +5,78 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import TextIO
 
 import click
 
-from edgeserve.cli.options import build_engine, model_options
+from edgeserve.cli.feedback import PromptSpinner, stderr_console
+from edgeserve.cli.options import build_engine, model_options, sampling_options
 from edgeserve.config import EngineConfig
+from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import SamplingParams
+
+
+def read_prompt(prompt: str | None, prompt_option: str | None, prompt_file: TextIO | None) -> str:
+    """The one prompt given as PROMPT, -p or -f; '-' or nothing with piped input reads stdin."""
+    given = [p for p in (prompt, prompt_option) if p is not None]
+    if len(given) + (prompt_file is not None) > 1:
+        raise click.UsageError("give the prompt once: PROMPT, -p TEXT or -f FILE")
+    if prompt_file is None and (given == ["-"] or not given and not sys.stdin.isatty()):
+        prompt_file = sys.stdin
+    if prompt_file is not None:
+        try:
+            text = prompt_file.read()
+        except UnicodeDecodeError as exc:
+            raise EdgeserveError(f"{prompt_file.name}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    elif given:
+        text = given[0]
+    else:
+        raise click.UsageError("no prompt: give PROMPT, -p TEXT or -f FILE, or pipe it in")
+    if not text.strip():
+        raise click.UsageError("the prompt is empty")
+    return text
 
 
 @click.command()
 @model_options
-@click.option("--max-tokens", "-n", default=256, show_default=True, help="Most tokens to generate.")
-@click.option("--temperature", "-t", default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None, help="Seed for sampling (same seed, same text).")
+@sampling_options(temperature=0.0, max_tokens=256)
+@click.option("--prompt", "-p", "prompt_option", default=None, help="The prompt, instead of PROMPT.")
+@click.option("--file", "-f", "prompt_file", type=click.File(encoding="utf-8"), default=None,
+              help="Read the prompt from this file ('-': stdin).")
 @click.option("--system", default=None, help="System prompt (chat models).")
 @click.option("--raw", is_flag=True, help="Send the prompt as is, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and timings.")
-@click.argument("prompt")
-def run(model: str, config: EngineConfig, max_tokens: int, temperature: float, top_p: float,
-        seed: int | None, system: str | None, raw: bool, as_json: bool, prompt: str) -> None:
-    """Answer PROMPT once and exit."""
+@click.argument("prompt", required=False)
+def run(model: str, config: EngineConfig, settings: dict, prompt_option: str | None, prompt_file: TextIO | None,
+        system: str | None, raw: bool, as_json: bool, prompt: str | None) -> None:
+    """Answer PROMPT once and exit.
+
+    The prompt comes from PROMPT, -p TEXT or -f FILE; with none of them (or '-'), from stdin:
+    `echo hi | edgeserve run`.
+    """
+    prompt = read_prompt(prompt, prompt_option, prompt_file)
     engine = build_engine(model, config, quiet=as_json)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    params = SamplingParams(**settings)
     if raw or engine.tokenizer.chat_template is None and system is None:
         ids = engine.tokenize_prompt(prompt)
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         ids = engine.chat_prompt_ids(messages)
+    console = stderr_console()
     start = time.perf_counter()
     rid = engine.add_request(ids, params)
     text, n_out, ttft, reason = "", 0, None, None
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id != rid:
-                continue
-            text += out.text
-            n_out, ttft, reason = out.num_output_tokens, out.ttft, out.finish_reason
-            if not as_json:
-                sys.stdout.write(out.text)
-                sys.stdout.flush()
+    with PromptSpinner(console, len(ids), show=not as_json) as spinner:
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id != rid:
+                    continue
+                spinner.stop()
+                text += out.text
+                n_out, ttft, reason = out.num_output_tokens, out.ttft, out.finish_reason
+                if not as_json:
+                    sys.stdout.write(out.text)
+                    sys.stdout.flush()
     elapsed = time.perf_counter() - start
     decode_tps = (n_out - 1) / (elapsed - ttft) if ttft is not None and n_out > 1 and elapsed > ttft else 0.0
     if as_json:
@@ -57,5 +89,5 @@ def run(model: str, config: EngineConfig, max_tokens: int, temperature: float, t
         }))
     else:
         click.echo()
-        click.secho(f"[{len(ids)} prompt + {n_out} tokens, TTFT {ttft or 0:.2f}s, {decode_tps:.1f} tok/s]",
-                    dim=True, err=True)
+        console.print(f"[{len(ids)} prompt + {n_out} tokens, TTFT {ttft or 0:.2f}s, {decode_tps:.1f} tok/s]",
+                      style="dim", markup=False)

@@ -9,11 +9,10 @@ from click.core import ParameterSource
 
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.chat_clients import ChatClient, EngineClient, RemoteClient
-from edgeserve.cli.options import build_engine, model_options
+from edgeserve.cli.options import build_engine, model_options, sampling_options
 from edgeserve.config import EngineConfig
 from edgeserve.cli.tui_app import EdgeserveApp
 from edgeserve.errors import EdgeserveError
-from edgeserve.sampling_params import SamplingParams
 
 
 async def _check(client: ChatClient) -> None:
@@ -28,14 +27,14 @@ async def _check(client: ChatClient) -> None:
                    "instead of loading a model.")
 @click.option("--api-key", envvar="EDGESERVE_API_KEY", default=None, help="API key for --url.")
 @click.option("--system", default=None, help="System prompt of new sessions.")
-@click.option("--temperature", "-t", default=0.7, show_default=True, help="Temperature of new sessions; 0 is greedy.")
-@click.option("--max-tokens", "-n", default=1024, show_default=True, help="Most tokens per answer.")
+@sampling_options(temperature=0.7, max_tokens=1024)
 @click.pass_context
 def tui(ctx: click.Context, model: str, config: EngineConfig, url: str | None,
-        api_key: str | None, system: str | None, temperature: float, max_tokens: int) -> None:
-    """Chat in several sessions side by side and watch the engine batch them (F1 lists the keys)."""
-    settings = {"temperature": temperature, "max_tokens": max_tokens}
-    SamplingParams(**settings)  # reject bad values before connecting or loading anything
+        api_key: str | None, system: str | None, settings: dict) -> None:
+    """Chat in several sessions side by side and watch the engine batch them (F1 or ? lists the keys).
+
+    The sampling options set every new session's settings; /set changes one session's.
+    """
     aengine = None
     if url:
         # a server picks its own model unless one was asked for

@@ -1,14 +1,18 @@
 """`edgeserve chat`: the conversation logic on its own, then the real REPL driven through a pseudo-terminal."""
 
+import io
 import json
 import os
 import re
+import subprocess
 import sys
 
 import pexpect
 import pytest
+from rich.console import Console
 
 from edgeserve.cli.conversation import CommandError, Conversation, ConversationFileError
+from edgeserve.cli.markdown_stream import MarkdownStream
 from edgeserve.errors import PromptTooLongError
 from edgeserve.sampling_params import InvalidParamsError
 
@@ -113,17 +117,25 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 LINE_ACCEPTED = "\x1b[?2004l"
 STATS_LINE = r"(\d+) tokens · TTFT \d+ ms · [\d.]+ tokens/s · prompt (\d+) \((\d+) cached\)"
 CONTEXT = 320
+SPINNER = r"processing prompt \((\d+) tokens\)…"
+ANSWER_WORD = r"\b(?!(?:processing|prompt|tokens)\b)[A-Za-z]{4,}\b"  # a word of the answer, not of the spinner
+
+
+CHAT = ["-c", "from edgeserve.cli.main import cli; cli()", "chat", "--backend", "numpy", "--kv-memory", "64MiB"]
+
+
+def chat_env(home) -> dict:
+    return {**os.environ, "EDGESERVE_HOME": str(home), "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
 
 
 @pytest.fixture(scope="module")
 def chat(model_path, tmp_path_factory):
-    env = {**os.environ, "EDGESERVE_HOME": str(tmp_path_factory.mktemp("home")),
-           "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
+    env = chat_env(tmp_path_factory.mktemp("home"))
     child = pexpect.spawn(
         sys.executable,
         ["-c", "from edgeserve.cli.main import cli; cli()", "chat", "--model", str(model_path),
          "--backend", "numpy", "--kv-memory", "64MiB", "--temperature", "0", "--max-tokens", "16",
-         "--context", str(CONTEXT)],
+         "--ctx-size", str(CONTEXT)],
         env=env, encoding="utf-8", timeout=TIMEOUT, dimensions=(50, 250))
     child.expect_exact(PROMPT)
     yield child
@@ -195,7 +207,7 @@ def test_ctrl_c_stops_the_answer_and_frees_its_blocks(chat):
     command(chat, "/set max_tokens 250", "max_tokens = 250")
     chat.sendline("Write a long story about a dragon.")
     chat.expect_exact(LINE_ACCEPTED)
-    chat.expect(r"\w{4}")  # the answer has begun
+    chat.expect(ANSWER_WORD)  # the answer has begun
 
     chat.sendcontrol("c")
     chat.expect_exact("[interrupted]")
@@ -225,3 +237,74 @@ def test_a_conversation_that_outgrows_the_context_loses_its_oldest_turns(chat):
     assert prompt_tokens <= CONTEXT
     output = command(chat, " ".join(["word"] * 400), "error: the message takes")
     assert "Traceback" not in output
+
+
+
+def test_a_spinner_tells_the_prompt_is_processing_before_the_first_token(chat):
+    start_afresh(chat)
+    chat.sendline("Tell me about the moon.")
+    chat.expect_exact(LINE_ACCEPTED)
+    chat.expect(SPINNER)
+    spinner_tokens = int(chat.match.group(1))
+    assert not re.search(ANSWER_WORD, ANSI.sub("", chat.before))  # nothing of the answer came before it
+    chat.expect(ANSWER_WORD)
+    chat.expect(STATS_LINE)
+    prompt_tokens = int(chat.match.group(2))
+    chat.expect_exact(PROMPT)
+
+    assert spinner_tokens == prompt_tokens
+
+
+def test_bye_and_quit_leave(model_path, tmp_path):
+    for word in ("/bye", "/quit"):
+        child = pexpect.spawn(sys.executable, [*CHAT, "--model", str(model_path)],
+                              env=chat_env(tmp_path), encoding="utf-8", timeout=TIMEOUT, dimensions=(24, 80))
+        child.expect_exact(PROMPT)
+        child.sendline(word)
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0
+
+
+def test_piped_chat_keeps_notes_and_stats_off_stdout(model_path, tmp_path):
+    result = subprocess.run(
+        [sys.executable, *CHAT, "--model", str(model_path), "--temp", "0", "-n", "12", "-c", "256"],
+        input="The secret word is banana. Say it.\n/stats\n/bye\n", capture_output=True, text=True,
+        env=chat_env(tmp_path), timeout=TIMEOUT)
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() and "banana" in result.stdout.lower()
+    for note in ("/help lists the commands", "conversation: 2 messages", "of 256 context tokens", "tokens/s"):
+        assert note in result.stderr and note not in result.stdout
+    assert "\x1b" not in result.stdout + result.stderr  # no terminal: no colours, no spinner
+
+
+@pytest.mark.parametrize("no_color", [False, True], ids=["colour", "NO_COLOR"])
+def test_errors_are_red_unless_no_color(model_path, tmp_path, no_color):
+    env = {**chat_env(tmp_path), **({"NO_COLOR": "1"} if no_color else {})}
+    child = pexpect.spawn(sys.executable, [*CHAT, "--model", str(model_path)],
+                          env=env, encoding="utf-8", timeout=TIMEOUT, dimensions=(24, 80))
+    child.expect_exact(PROMPT)
+    child.sendline("/frobnicate")
+    child.expect_exact("unknown command /frobnicate")
+    line = child.before
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+
+    assert bool(re.search(r"\x1b\[[0-9;]*31m", line)) != no_color
+
+
+def test_answers_stream_as_markdown_and_end_rendered_whole():
+    answer = "Steps:\n\n1. **Boil** the water\n2. Add `tea`\n\n```python\nprint('brewed')\n```\n" + "\n".join(
+        f"- line {i}" for i in range(30))
+    screen = io.StringIO()
+    view = MarkdownStream(Console(file=screen, force_terminal=True, width=60, height=12, color_system=None))
+    for i in range(0, len(answer), 7):  # pieces as a stream brings them
+        view.add(answer[i:i + 7])
+    view.end()
+
+    final = ANSI.sub("", screen.getvalue()).split("Steps:")[-1]  # the last, whole rendering
+    assert "**" not in final and "```" not in final and "`tea`" not in final
+    assert "Boil" in final and "print('brewed')" in final
+    assert [f"line {i}" in final for i in range(30)] == [True] * 30
+    assert re.search(r"•\s+line 29", final)
