@@ -23,8 +23,8 @@ TINY_CONFIG = {"hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 6
 
 
 def test_what_is_supported():
-    assert set(ARCHITECTURES) == {"llama", "mistral", "qwen2", "smollm", "smollm2"}
-    assert GGUF_MODEL_TYPES == {"llama": "llama", "qwen2": "qwen2"}
+    assert set(ARCHITECTURES) == {"llama", "mistral", "phi3", "qwen2", "qwen3", "smollm", "smollm2"}
+    assert GGUF_MODEL_TYPES == {"llama": "llama", "phi3": "phi3", "qwen2": "qwen2", "qwen3": "qwen3"}
     assert architecture("qwen2", "x").hf_name == "Qwen2ForCausalLM"
     assert gguf_model_type("llama", "x") == "llama" and architecture("llama", "x").gguf_rope_permuted
 

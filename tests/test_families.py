@@ -1,0 +1,189 @@
+"""Qwen 3, Phi-3 and Mistral against transformers (float32) on tiny random-weight models built from
+transformers' own configs (tests/fixtures/make_family_references.py): every position's logits from
+their Hugging Face folders and from GGUF files written the way llama.cpp's converter writes them,
+on the NumPy and the MLX backend."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import tokenizers
+from click.testing import CliRunner
+
+from conftest import tiny_tokenizer
+from edgeserve.cli.main import cli
+from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.errors import ModelLoadError, PromptTooLongError
+from edgeserve.models.loader import LoadedModel, load_folder, load_gguf
+from edgeserve.sampling_params import SamplingParams
+
+FIXTURES = Path(__file__).parent / "fixtures" / "families"
+FAMILIES = ["qwen3", "phi3", "mistral"]
+GGUF_ARCH = {"qwen3": "qwen3", "phi3": "phi3", "mistral": "llama"}  # llama.cpp writes Mistral as llama
+TOLERANCE = 1e-4  # max |logit difference| from transformers, float32 on both sides
+# the bounds the MLX backend is held to on the default Llama model (tests/test_mlx_backend.py),
+# by its activation width: float32 on the CPU, float16 on a GPU
+MLX_TOLERANCE = {4: 0.1, 2: 0.3}
+
+
+def family_folder(name: str, dest: Path, **overrides) -> Path:
+    """A copy of the family's fixture folder with the test tokenizer, and config.json overrides."""
+    folder = dest / name
+    shutil.copytree(FIXTURES / name, folder)
+    tiny_tokenizer(folder)
+    if overrides:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **overrides}))
+    return folder
+
+
+def reference(name: str, variant: str = "") -> list[tuple[list[int], np.ndarray]]:
+    """(prompt ids, transformers' logits at every position) of each fixture prompt."""
+    ref = np.load(FIXTURES / name / "reference.npz")
+    n = sum(1 for k in ref.files if k.startswith("prompt_"))
+    return [(ref[f"prompt_{i}"].tolist(), ref[f"{variant}logits_{i}"]) for i in range(n)]
+
+
+def worst_difference(engine: LLMEngine, cases: list[tuple[list[int], np.ndarray]]) -> float:
+    worst = 0.0
+    for ids, want in cases:
+        got = engine.prompt_logits(ids)
+        assert got.shape == want.shape
+        worst = max(worst, float(np.abs(got - want).max()))
+    return worst
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory) -> tuple[str, LoadedModel]:
+    name = request.param
+    return name, load_folder(family_folder(name, tmp_path_factory.mktemp(name)))
+
+
+def write_gguf(model: LoadedModel, arch: str, path: Path) -> Path:
+    """The model as llama.cpp's converter writes it: float32 tensors under GGUF names, Llama's q/k
+    rows permuted for interleaved RoPE, Phi-3's LongRoPE factors as tensors, the vocabulary inside."""
+    a = model.args
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(a.num_hidden_layers)
+    w.add_context_length(a.max_position_embeddings)
+    w.add_embedding_length(a.hidden_size)
+    w.add_feed_forward_length(a.intermediate_size)
+    w.add_head_count(a.num_attention_heads)
+    w.add_head_count_kv(a.num_key_value_heads)
+    w.add_key_length(a.head_dim)
+    w.add_value_length(a.head_dim)
+    w.add_rope_dimension_count(a.head_dim)
+    w.add_rope_freq_base(a.rope_theta)
+    w.add_layer_norm_rms_eps(a.rms_norm_eps)
+    w.add_vocab_size(a.vocab_size)
+    vocab = tokenizers.Tokenizer.from_file(str(model.source / "tokenizer.json")).get_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(sorted(vocab, key=vocab.get))
+    w.add_token_merges([])
+    w.add_eos_token_id(model.tokenizer.eos_token_id)
+    scaling = a.rope_scaling or {}
+    if arch == "phi3":
+        w.add_sliding_window(a.sliding_window)
+        w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        w.add_rope_scaling_attn_factors(scaling["attention_factor"])
+        w.add_tensor("rope_factors_long.weight", np.asarray(scaling["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(scaling["short_factor"], np.float32))
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.qkv_proj": "attn_qkv", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+    for name, weight in model.weights.items():
+        t = np.asarray(weight, np.float32)
+        if name in globals_:
+            w.add_tensor(globals_[name], t)
+            continue
+        _, _, layer, *kind, _ = name.split(".")
+        kind = ".".join(kind)
+        if arch == "llama" and kind in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = a.num_attention_heads if kind == "self_attn.q_proj" else a.num_key_value_heads
+            t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(t.shape)
+        w.add_tensor(f"blk.{layer}.{names[kind]}.weight", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_numpy_logits_match_transformers_at_every_position(family):
+    name, model = family
+    engine = LLMEngine(model, backend="numpy", weights="float32", kv_memory="16MiB")
+    assert worst_difference(engine, reference(name)) <= TOLERANCE
+
+
+def test_mlx_logits_match_transformers_at_every_position(family):
+    pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]')")
+    name, model = family
+    engine = LLMEngine(model, backend="mlx", kv_memory="16MiB")
+    assert worst_difference(engine, reference(name)) <= MLX_TOLERANCE[engine.backend.kv_dtype_bytes]
+
+
+def test_gguf_loads_to_the_same_model(family, tmp_path):
+    name, model = family
+    from_gguf = load_gguf(write_gguf(model, GGUF_ARCH[name], tmp_path / f"{name}.gguf"))
+    assert from_gguf.args.model_type == ("llama" if name == "mistral" else name)
+    for field in ("head_dim", "rope_theta", "tie_word_embeddings", "num_key_value_heads", "max_position_embeddings"):
+        assert getattr(from_gguf.args, field) == getattr(model.args, field), field
+    engine = LLMEngine(from_gguf, backend="numpy", weights="float32", kv_memory="16MiB")
+    assert worst_difference(engine, reference(name)) <= TOLERANCE
+
+
+def test_greedy_decoding_agrees_with_the_prompt_logits(family):
+    """Tokens decoded one at a time through the paged pool, after a prefill in small chunks, are the
+    argmax of one whole-sequence pass: the per-family parts act alike on both paths."""
+    name, model = family
+    engine = LLMEngine(model, backend="numpy", weights="float32", kv_memory="16MiB", max_num_batched_tokens=8)
+    prompt = reference(name)[0][0]
+    engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), "r")
+    out = engine.run_to_completion()["r"].token_ids
+    logits = engine.prompt_logits(prompt + out[:-1])
+    assert logits[len(prompt) - 1 :].argmax(-1).tolist() == out
+
+
+def test_a_mistral_window_shorter_than_the_context_cuts_the_context(tmp_path):
+    """Attention over whole sequences equals a window of 8 while sequences stay within 8 tokens:
+    the context is cut to the window, longer prompts are refused, shorter ones are exact."""
+    model = load_folder(family_folder("mistral", tmp_path, sliding_window=8))
+    engine = LLMEngine(model, backend="numpy", weights="float32", kv_memory="16MiB")
+    assert engine.max_model_len == 8
+    short, long = [case for case in reference("mistral", "window_") if len(case[0]) < 8], \
+        [case for case in reference("mistral", "window_") if len(case[0]) >= 8]
+    assert short and long
+    assert worst_difference(engine, short) <= TOLERANCE
+    for ids, _ in long:
+        with pytest.raises(PromptTooLongError, match="context is 8 tokens"):
+            engine.prompt_logits(ids)
+
+
+def test_phi3_with_partial_rotary_embeddings_is_refused(tmp_path):
+    config = json.loads((FIXTURES / "phi3" / "config.json").read_text())
+    folder = family_folder("phi3", tmp_path, rope_parameters={**config["rope_parameters"], "partial_rotary_factor": 0.75})
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.75"):
+        load_folder(folder)
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("qwen3", "qwen3: 2 layers, hidden 64, 4 heads / 2 KV heads x 32"),
+    ("phi3", "phi3: 2 layers, hidden 64, 4 heads / 2 KV heads x 16"),
+    ("mistral", "mistral: 2 layers, hidden 64, 4 heads / 2 KV heads x 16"),
+])
+def test_info_shows_each_family(tmp_path, name, shape):
+    result = CliRunner().invoke(cli, ["info", str(family_folder(name, tmp_path)), "--backend", "numpy"])
+    assert result.exit_code == 0, result.output
+    assert shape in result.output
+    kv = 2 * 2 * 2 * (32 if name == "qwen3" else 16) * 4  # K and V, layers, KV heads, head_dim, float32
+    assert f"{kv} bytes (float32)" in result.output
