@@ -84,8 +84,8 @@ def write_gguf(model: LoadedModel, arch: str, path: Path) -> Path:
     vocab = tokenizers.Tokenizer.from_file(str(model.source / "tokenizer.json")).get_vocab()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
-    w.add_token_list(sorted(vocab, key=vocab.get))
-    w.add_token_merges([])
+    w.add_token_list([*sorted(vocab, key=vocab.get), "\u0120a"])  # one merge: a GGUF BPE vocabulary has some
+    w.add_token_merges(["\u0120 a"])
     w.add_eos_token_id(model.tokenizer.eos_token_id)
     scaling = a.rope_scaling or {}
     if arch == "phi3":
