@@ -95,9 +95,10 @@ class LLMEngine:
 
     # requests -----------------------------------------------------------------
 
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Render messages with the model's chat template and tokenize (BOS comes from the template)."""
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None) -> list[int]:
+        """Render messages (offering tools) with the model's chat template and tokenize (BOS comes from the template)."""
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         return self.tokenizer.encode(text, add_bos=False)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:

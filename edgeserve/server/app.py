@@ -29,6 +29,7 @@ from edgeserve.models.catalog import CATALOG
 from edgeserve.sampling_params import InvalidParamsError
 from edgeserve.server.generation import Choice, Generation
 from edgeserve.server.metrics import ServerMetrics
+from edgeserve.text.tool_calls import ToolCallStream
 from edgeserve.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     APIError,
@@ -53,13 +54,16 @@ logger = logging.getLogger("edgeserve.server")
 
 
 class _Server:
-    def __init__(self, aengine: AsyncEngine, model_name: str, api_key: str | None, max_queue: int):
+    def __init__(self, aengine: AsyncEngine, model_name: str, api_key: str | None, max_queue: int,
+                 aliases: Iterable[str] = ()):
         self.aengine = aengine
         self.engine = aengine.engine
         self.tokenizer = aengine.tokenizer
         self.model_name = model_name
         source = self.engine.model.source.name
         self.model_names = {model_name} | {e.name for e in CATALOG.values() if e.filename == source}
+        self.aliases = [a for a in dict.fromkeys(aliases) if a != model_name]  # more names /v1/models lists
+        self.model_names |= set(self.aliases)
         self.api_key = api_key
         self.max_queue = max_queue
         self.in_flight = 0  # engine requests submitted through this server and not yet ended
@@ -107,15 +111,20 @@ class _Server:
 
     # running ------------------------------------------------------------------
 
-    def start(self, prefix: str, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]],
-              max_tokens: int, logprobs: int | None) -> Generation:
-        """Admit the request (or raise 429 or 503) and submit one engine request per prompt and choice."""
-        self.check_open()  # again: it may have been tokenizing when the shutdown began
+    async def start(self, prefix: str, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]],
+                    max_tokens: int, logprobs: int | None, grammar: str | None = None) -> Generation:
+        """Admit the request (or raise 429 or 503) and submit one engine request per prompt and choice.
+
+        grammar: a Lark grammar the answer must follow (forced tool calls).
+        """
         try:
-            params = body.sampling_params(max_tokens, logprobs)
+            params = body.sampling_params(max_tokens, logprobs, grammar)
             params.check_vocab(self.engine.vocab_size)
+            # Off the event loop: a large grammar takes a while to compile (once; the engine reuses it).
+            await asyncio.to_thread(self.engine.constraints.compile, params)
         except InvalidParamsError as exc:
-            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
+            raise APIError(400, str(exc), param=body.api_param(exc.param), code="invalid_value") from exc
+        self.check_open()  # again: it may have been tokenizing or compiling when the shutdown began
         count = len(prompts) * body.n
         if self.in_flight + count > self.max_queue:
             raise APIError(429, f"the server is busy: {self.in_flight} requests in flight, the limit is "
@@ -162,30 +171,36 @@ class _Server:
 
     async def list_models(self) -> dict:
         return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.started, "owned_by": "edgeserve",
+            "id": name, "object": "model", "created": self.started, "owned_by": "edgeserve",
             "max_model_len": self.engine.max_model_len,
-        }]}
+        } for name in (self.model_name, *self.aliases)]}
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> object:
         self.check_model(body.model)
         messages = [m.as_template_message() for m in body.messages]
         self.check_text_length(sum(len(m["content"]) for m in messages), "messages")
+        tools = body.offered_tools()
         try:
             # Off the event loop: a long prompt takes seconds to render and tokenize.
-            ids = await asyncio.to_thread(self.engine.chat_prompt_ids, messages)
+            ids = await asyncio.to_thread(self.engine.chat_prompt_ids, messages, True, tools)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
         self.check_prompt(ids, "messages")
         max_tokens = body.requested_max_tokens or self.engine.max_model_len  # the engine caps it at the context
-        gen = self.start("chatcmpl", body, [ids], max_tokens, body.num_logprobs)
+        tool_format = self.engine.chat_template.tool_format
+        forced = body.forced_tools()
+        grammar = tool_format.grammar(forced, body.parallel_tool_calls and body.choice == "required") if forced else None
+        gen = await self.start("chatcmpl", body, [ids], max_tokens, body.num_logprobs, grammar)
+        for c in gen.choices if tools else ():
+            c.tool_stream = ToolCallStream(tool_format)
         if body.stream:
             return _event_stream(self._chat_events(gen, body.include_usage))
         await gen.wait(request)
         choices = [{
             "index": c.index,
-            "message": {"role": "assistant", "content": "".join(c.text)},
+            "message": c.message(),
             "logprobs": chat_logprobs(c.logprobs, self.tokenizer) if c.params.logprobs is not None else None,
-            "finish_reason": c.finish_reason,
+            "finish_reason": c.chat_finish_reason,
         } for c in gen.choices]
         return envelope(gen.response_id, "chat.completion", gen.created, self.model_name, choices,
                         usage=gen.usage())
@@ -201,7 +216,7 @@ class _Server:
                 ids = list(p)
             self.check_prompt(ids, "prompt")
             prompts.append(ids)
-        gen = self.start("cmpl", body, prompts, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs)
+        gen = await self.start("cmpl", body, prompts, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs)
         if body.stream:
             return _event_stream(self._completion_events(gen, body.include_usage))
         await gen.wait(request)
@@ -225,10 +240,10 @@ class _Server:
             yield chunk(c.index, {"role": "assistant", "content": ""})
         async for c, out in gen.outputs():
             want_logprobs = c.params.logprobs is not None and out.logprobs
-            if out.text or want_logprobs or out.finished:
-                yield chunk(c.index, {"content": out.text} if out.text else {},
-                            chat_logprobs(out.logprobs, self.tokenizer) if want_logprobs else None,
-                            out.finish_reason if out.finished else None)
+            delta = c.chat_delta(out)
+            if delta or want_logprobs or out.finished:
+                yield chunk(c.index, delta, chat_logprobs(out.logprobs, self.tokenizer) if want_logprobs else None,
+                            c.chat_finish_reason if out.finished else None)
         if include_usage:
             yield sse(envelope(gen.response_id, "chat.completion.chunk", gen.created, self.model_name, [],
                                usage=gen.usage()))
@@ -420,12 +435,12 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 def create_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None,
                max_queue: int = DEFAULT_MAX_QUEUE, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
-               allowed_hosts: Iterable[str] = ()) -> FastAPI:
-    """The server app; `model_name` is the id clients pass as `model` (the catalog name works too).
+               allowed_hosts: Iterable[str] = (), aliases: Iterable[str] = ()) -> FastAPI:
+    """The server app; `model_name` is the id clients pass as `model` (the catalog name and `aliases` work too).
 
     Host headers must name loopback, an IP address, or one of `allowed_hosts` ("*" allows any).
     """
-    server = _Server(aengine, model_name, api_key, max_queue)
+    server = _Server(aengine, model_name, api_key, max_queue, aliases)
     app = FastAPI(title="edgeserve", description="OpenAI-compatible local LLM server")
     app.state.server = server
     # The last added runs first: _Gate outermost, so its count of answers includes the guard's.

@@ -14,6 +14,7 @@ from edgeserve.engine.output import RequestOutput
 from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import SamplingParams
 from edgeserve.server.protocol import APIError, usage
+from edgeserve.text.tool_calls import ToolCallStream, split_reply
 
 
 @dataclass
@@ -32,6 +33,8 @@ class Choice:
     cached_tokens: int = 0
     ttft: float | None = None
     elapsed: float = 0.0
+    tool_stream: ToolCallStream | None = None  # where the answer may hold tool calls (chat with tools)
+    tool_calls: int = 0  # how many the answer holds
 
     def update(self, out: RequestOutput) -> None:
         self.text.append(out.text)
@@ -42,6 +45,35 @@ class Choice:
         self.elapsed = out.elapsed
         if out.finished:
             self.finish_reason = out.finish_reason
+
+    @property
+    def chat_finish_reason(self) -> str | None:
+        """OpenAI's reason: "tool_calls" where the answer ended after calling tools."""
+        return "tool_calls" if self.tool_calls and self.finish_reason == "stop" else self.finish_reason
+
+    def message(self) -> dict:
+        """The whole answer as a chat message: content, and tool calls where it made some."""
+        text = "".join(self.text)
+        if self.tool_stream is None:
+            return {"role": "assistant", "content": text}
+        content, calls = split_reply(text, self.tool_stream.fmt)
+        self.tool_calls = len(calls)
+        message: dict = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.openai() for call in calls]
+        return message
+
+    def chat_delta(self, out: RequestOutput) -> dict:
+        """The streamed chat delta for out: its content, and each tool call whole once its text is complete."""
+        if self.tool_stream is None:
+            return {"content": out.text} if out.text else {}
+        content, calls = self.tool_stream.feed(out.text, out.finished)
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            first = self.tool_calls
+            delta["tool_calls"] = [call.openai(index=first + i) for i, call in enumerate(calls)]
+            self.tool_calls += len(calls)
+        return delta
 
 
 class Generation:

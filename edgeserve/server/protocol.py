@@ -7,7 +7,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from edgeserve.sampling_params import SamplingParams
 from edgeserve.text.tokenizer import Tokenizer
@@ -60,6 +60,10 @@ class _GenerationRequest(_Body):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
+    # Constrained output, as vLLM names it: a JSON Schema, a regex, or a Lark grammar (llguidance's dialect).
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_grammar: Text | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -72,9 +76,27 @@ class _GenerationRequest(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises InvalidParamsError (with the offending field) on values the engine refuses."""
+    def constraint(self) -> dict[str, Any]:
+        """The grammar asked for, as SamplingParams fields; APIError when more than one is."""
+        given = {name: value for name, value in (("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
+                                                  ("guided_grammar", self.guided_grammar)) if value is not None}
+        if len(given) > 1:
+            raise APIError(400, f"give at most one of {', '.join(given)}", param=list(given)[1], code="invalid_value")
+        return {"json_schema": self.guided_json, "regex": self.guided_regex, "grammar": self.guided_grammar}
+
+    def api_param(self, param: str | None) -> str | None:
+        """The request field behind a SamplingParams field named in an error."""
+        return {"json_schema": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar"}.get(param, param)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, grammar: str | None = None) -> SamplingParams:
+        """Raises InvalidParamsError (with the offending field) on values the engine refuses.
+
+        grammar: a Lark grammar the server adds (tool calls the request requires).
+        """
         greedy = self.top_p == 0  # top_p 0 keeps only the most likely token
+        constraint = self.constraint()
+        if grammar is not None:
+            constraint["grammar"] = grammar
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0 if greedy else _or(self.temperature, 1.0),
@@ -89,6 +111,7 @@ class _GenerationRequest(_Body):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            **constraint,
         )
 
 
@@ -101,19 +124,113 @@ class ContentPart(_Body):
     text: Text
 
 
+class FunctionCall(_Body):
+    name: Text
+    arguments: Text  # JSON text
+
+
+class MessageToolCall(_Body):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: Text | None = None  # the call a tool message answers
 
-    def as_template_message(self) -> dict[str, str]:
-        """The {role, content} dict chat templates expect."""
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The dict chat templates expect: role and content, and Hugging Face's shapes of tool calls and results."""
         if isinstance(self.content, list):
             content = "".join(part.text for part in self.content)
         else:
             content = self.content or ""
         # Templates know "system"; OpenAI's newer "developer" role means the same.
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            # Templates write arguments with `| tojson`: they expect an object, not JSON text.
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+            if self.name:
+                message["name"] = self.name
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema
+    strict: bool | None = None  # arguments always follow the schema where a call is forced (tool_choice)
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: Text
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # always strict: the output follows the schema
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a json_schema response_format needs its json_schema: {name, schema}")
+        return self
+
+    @property
+    def output_schema(self) -> dict[str, Any] | None:
+        """The schema the content must follow, None for free text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        return self.json_schema.schema_ if self.json_schema is not None else None
+
+
+# OpenAI fields we refuse rather than drop, and why (fields we accept and ignore are listed in the README).
+UNSUPPORTED_CHAT_FIELDS = {
+    "functions": "the legacy functions are not supported; send tools",
+    "function_call": "the legacy function_call is not supported; send tool_choice",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+}
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -121,6 +238,84 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    modalities: list[Literal["text"]] | None = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    @field_validator(*UNSUPPORTED_CHAT_FIELDS)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(UNSUPPORTED_CHAT_FIELDS[info.field_name])
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, value: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in value or []]
+        if len(set(names)) < len(names):
+            raise ValueError("function names must be unique")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        names = {t.function.name for t in info.data.get("tools") or []}
+        if value is not None and value != "none" and not names:
+            raise ValueError("a tool choice other than 'none' needs tools")
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(f"names {value.function.name!r}, which is not among the tools")
+        return value
+
+    @property
+    def choice(self) -> str:
+        """"none", "auto", "required" or "named" (OpenAI's default: auto with tools, none without)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def offered_tools(self) -> list[dict] | None:
+        """The tools the model sees, as {"type": "function", "function": {...}} dicts; None with tool_choice none."""
+        if not self.tools or self.choice == "none":
+            return None
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        if self.choice == "named":
+            tools = [t for t in tools if t["function"]["name"] == self.tool_choice.function.name]
+        return tools
+
+    def forced_tools(self) -> list[dict] | None:
+        """The tools one of which the answer must call (tool_choice required or named), else None."""
+        return self.offered_tools() if self.choice in ("required", "named") else None
+
+    def api_param(self, param: str | None) -> str | None:
+        if param == "json_schema" and self.response_format is not None:
+            return "response_format"
+        if param == "grammar" and self.forced_tools():
+            return "tools"
+        return super().api_param(param)
+
+    def constraint(self) -> dict[str, Any]:
+        constraint = super().constraint()
+        schema = self.response_format.output_schema if self.response_format is not None else None
+        if schema is not None:
+            if any(v is not None for v in constraint.values()):
+                raise APIError(400, "give response_format or a guided_* field, not both", param="response_format",
+                               code="invalid_value")
+            if self.forced_tools():
+                raise APIError(400, f"response_format cannot be combined with tool_choice {self.choice!r}: "
+                                    "the answer must be a tool call", param="response_format", code="invalid_value")
+            constraint["json_schema"] = schema
+        elif self.forced_tools() and any(v is not None for v in constraint.values()):
+            raise APIError(400, f"a guided_* field cannot be combined with tool_choice {self.choice!r}",
+                           param="tool_choice", code="invalid_value")
+        return constraint
 
     @property
     def requested_max_tokens(self) -> int | None:

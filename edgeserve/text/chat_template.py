@@ -12,11 +12,13 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from edgeserve.errors import EdgeserveError
 from edgeserve.text.tokenizer import Tokenizer
+from edgeserve.text.tool_calls import ToolCallFormat, fallback_messages, format_for_template
 
 # For models that ship no template: ChatML, which is what transformers used to fall back to.
 CHATML_TEMPLATE = (
@@ -80,16 +82,28 @@ def _environment() -> jinja2.Environment:
 
 
 class ChatTemplate:
-    """A compiled chat template; `source` None means the ChatML fallback."""
+    """A compiled chat template; `source` None means the ChatML fallback.
+
+    Tools reach a template that reads a `tools` variable as that variable (Hugging Face's
+    convention); other templates get them, and tool calls and results in the history, as text
+    (`tool_calls.fallback_messages`). `tool_format` is how the model writes calls.
+    """
 
     def __init__(
-        self, source: str | None, bos_token: str | None = None, eos_token: str | None = None
+        self,
+        source: str | None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        tool_format: ToolCallFormat | None = None,
     ) -> None:
         self.source = CHATML_TEMPLATE if source is None else source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.tool_format = tool_format or format_for_template(self.source)
+        env = _environment()
         try:
-            self._template = _environment().from_string(self.source)
+            self._template = env.from_string(self.source)
+            self.supports_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(self.source))
         except jinja2.TemplateSyntaxError as exc:
             raise ChatTemplateError(
                 f"chat template does not compile: line {exc.lineno}: {exc.message}"
@@ -98,13 +112,23 @@ class ChatTemplate:
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer) -> ChatTemplate:
         """The model's own template (or ChatML when it ships none) with its BOS/EOS texts."""
-        return cls(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+        tool_format = format_for_template(tokenizer.chat_template or "", tokenizer.token_to_id)
+        return cls(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token, tool_format)
 
     def render(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **extra: Any,
     ) -> str:
-        """The prompt for `messages`; `extra` reaches the template as variables (e.g. tools)."""
+        """The prompt for `messages` offering `tools` (OpenAI's {"type": "function", ...} entries);
+        `extra` reaches the template as variables."""
         _check_messages(messages)
+        if self.supports_tools:
+            extra["tools"] = tools or None
+        elif tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            messages = fallback_messages(messages, tools, self.tool_format)
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra}
         try:
             return self._template.render(

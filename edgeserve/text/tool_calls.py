@@ -1,0 +1,279 @@
+"""Tool calls in a model's own format: the grammar that forces them, parsing them from text, and history as text.
+
+Three formats, chosen from the chat template's source: Hermes/Qwen (`<tool_call>{json}</tool_call>`),
+Mistral (`[TOOL_CALLS][{json}, ...]`) and Llama 3 (the message is `{"name": ..., "parameters": ...}`).
+Templates without tool support get Hermes through a system prompt (`fallback_messages`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+_DECODER = json.JSONDecoder()
+_SEPARATORS = " \t\r\n;,"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+    def openai(self, call_id: str | None = None, index: int | None = None) -> dict:
+        """The OpenAI shape (`index` for a streamed delta)."""
+        call = {"id": call_id or new_call_id(), "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call_from(obj: Any, args_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _tool_schema(tool: dict, args_key: str) -> dict:
+    """JSON Schema of one call of `tool` ({"type": "function", "function": {...}}) in a format."""
+    function = tool["function"]
+    return {"type": "object",
+            "properties": {"name": {"const": function["name"]},
+                           args_key: function.get("parameters") or {"type": "object"}},
+            "required": ["name", args_key], "additionalProperties": False}
+
+
+def _json_rule(schema: dict) -> str:
+    return f"%json {json.dumps(schema, ensure_ascii=False)}"
+
+
+class ToolCallFormat:
+    """How a model family writes tool calls; `marker` opens them (Llama 3 has none: the message is the call)."""
+
+    name = ""
+    marker = ""
+    args_key = "arguments"
+
+    def call_schema(self, tools: list[dict]) -> dict:
+        schemas = [_tool_schema(t, self.args_key) for t in tools]
+        return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
+        """A Lark grammar (llguidance's dialect) whose every sentence is one call, or several if parallel, of tools."""
+        raise NotImplementedError
+
+    def write(self, calls: list[ToolCall]) -> str:
+        """Calls as the model would write them (for history in templates without tool support)."""
+        raise NotImplementedError
+
+    def split(self, text: str) -> tuple[str, list[ToolCall], str]:
+        """(text before the calls, the complete calls, what follows them: an unfinished call or trailing text)."""
+        raise NotImplementedError
+
+    def held_back(self, content: str) -> int:
+        """Characters at the end of streamed content that may begin the marker, so wait for the next text."""
+        for n in range(min(len(self.marker) - 1, len(content)), 0, -1):
+            if self.marker.startswith(content[-n:]):
+                return n
+        return 0
+
+
+class HermesFormat(ToolCallFormat):
+    name = "hermes"
+    marker = "<tool_call>"
+    _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        return f'{start}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: {_json_rule(self.call_schema(tools))}\n'
+
+    def write(self, calls: list[ToolCall]) -> str:
+        return "\n".join(f'<tool_call>\n{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}\n</tool_call>'
+                         for c in calls)
+
+    def split(self, text: str) -> tuple[str, list[ToolCall], str]:
+        start = text.find(self.marker)
+        if start < 0:
+            return text, [], ""
+        calls, pos = [], start
+        while (m := self._block.match(text, pos)) is not None:
+            try:
+                call = _call_from(json.loads(m.group(1)), self.args_key)
+            except ValueError:
+                call = None
+            if call is None:
+                break
+            calls.append(call)
+            pos = m.end()
+            while pos < len(text) and text[pos] in _SEPARATORS:
+                pos += 1
+        return text[:start], calls, text[pos:]
+
+
+class MistralFormat(ToolCallFormat):
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+
+    def __init__(self, marker_token: int | None = None):
+        # Mistral's tokenizers hold the marker as one special token, which the grammar names by id.
+        self.marker_rule = f"<[{marker_token}]>" if marker_token is not None else json.dumps(self.marker)
+
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
+        array = {"type": "array", "items": self.call_schema(tools), "minItems": 1}
+        if not parallel:
+            array["maxItems"] = 1
+        return f"start: {self.marker_rule} calls\ncalls: {_json_rule(array)}\n"
+
+    def write(self, calls: list[ToolCall]) -> str:
+        items = ", ".join(f'{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}' for c in calls)
+        return f"{self.marker}[{items}]"
+
+    def split(self, text: str) -> tuple[str, list[ToolCall], str]:
+        start = text.find(self.marker)
+        if start < 0:
+            return text, [], ""
+        body = text[start + len(self.marker):]
+        try:
+            items, end = _DECODER.raw_decode(body.lstrip())
+        except ValueError:
+            return text[:start], [], body
+        calls = [_call_from(item, self.args_key) for item in (items if isinstance(items, list) else [items])]
+        if any(c is None for c in calls):
+            return text[:start], [], body
+        return text[:start], calls, body.lstrip()[end:]
+
+
+class Llama3Format(ToolCallFormat):
+    name = "llama3"
+    marker = "<|python_tag|>"
+    args_key = "parameters"
+
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
+        start = 'start: call ("; " call)*' if parallel else "start: call"
+        return f"{start}\ncall: {_json_rule(self.call_schema(tools))}\n"
+
+    def write(self, calls: list[ToolCall]) -> str:
+        return "; ".join(f'{{"name": {json.dumps(c.name)}, "parameters": {c.arguments}}}' for c in calls)
+
+    def split(self, text: str) -> tuple[str, list[ToolCall], str]:
+        body = text.lstrip()
+        if body.startswith(self.marker):
+            body = body[len(self.marker):].lstrip()
+        elif not body.startswith("{"):
+            return text, [], ""
+        calls, pos = [], 0
+        while pos < len(body):
+            try:
+                obj, end = _DECODER.raw_decode(body, pos)
+            except ValueError:
+                break
+            call = _call_from(obj, self.args_key)
+            if call is None:
+                break
+            calls.append(call)
+            pos = end
+            while pos < len(body) and body[pos] in _SEPARATORS:
+                pos += 1
+        return "", calls, body[pos:]
+
+    def held_back(self, content: str) -> int:
+        # Until the message shows something other than a call's start, any of it may be one.
+        stripped = content.lstrip()
+        if not stripped or self.marker.startswith(stripped[: len(self.marker)]):
+            return len(content)
+        return 0
+
+
+def format_for_template(source: str, token_to_id: Any = None) -> ToolCallFormat:
+    """The tool-call format a chat template's source writes; Hermes where it shows none.
+
+    token_to_id (the tokenizer's) lets a format name its marker token in grammars.
+    """
+    if "[TOOL_CALLS]" in source:
+        return MistralFormat(token_to_id("[TOOL_CALLS]") if token_to_id else None)
+    if "<|python_tag|>" in source or ("ipython" in source and '"parameters"' in source):
+        return Llama3Format()
+    return HermesFormat()
+
+
+FALLBACK_TOOLS_PROMPT = (
+    "You may call one or more functions to answer. The functions, as JSON Schema:\n<tools>\n{tools}\n</tools>\n"
+    "To call a function, answer with its name and arguments as a JSON object inside tags:\n"
+    '<tool_call>\n{{"name": "<function name>", "arguments": {{<arguments>}}}}\n</tool_call>'
+)
+
+
+def fallback_messages(messages: list[dict], tools: list[dict] | None, fmt: ToolCallFormat) -> list[dict]:
+    """Messages for a template that knows no tools: the tools in the system prompt, calls and results as text.
+
+    Assistant calls become the format's text; a tool result becomes a user turn in <tool_response> tags.
+    """
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [ToolCall(c["function"]["name"], _arguments_text(c["function"]["arguments"]))
+                     for c in m["tool_calls"]]
+            text = "\n".join(filter(None, [m.get("content") or "", fmt.write(calls)]))
+            out.append({"role": "assistant", "content": text})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        prompt = FALLBACK_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _arguments_text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+class ToolCallStream:
+    """Splits a streamed answer into content deltas and whole tool calls as they complete."""
+
+    def __init__(self, fmt: ToolCallFormat):
+        self.fmt = fmt
+        self.text = ""
+        self.sent = 0  # characters of content sent
+        self.calls: list[ToolCall] = []  # the calls sent
+
+    def feed(self, delta: str, final: bool) -> tuple[str, list[ToolCall]]:
+        """The content and the calls to send now, given the next text (final: it is the last)."""
+        self.text += delta
+        content, calls, rest = self.fmt.split(self.text)
+        begun = len(content) < len(self.text)  # the calls have begun: the content before them is settled
+        end = len(content) if final or begun else len(content) - self.fmt.held_back(content)
+        new_content = content[self.sent:end]
+        self.sent = max(self.sent, end)
+        if begun and not new_content.strip():
+            new_content = ""
+        if final and rest.strip():  # an unfinished or malformed call, or text after the calls, stays visible
+            new_content += rest
+        new_calls = calls[len(self.calls):]
+        self.calls += new_calls
+        return new_content, new_calls
+
+
+def split_reply(text: str, fmt: ToolCallFormat) -> tuple[str | None, list[ToolCall]]:
+    """A whole answer as (content, tool calls); content None when the answer is only calls."""
+    content, calls, rest = fmt.split(text)
+    if not calls:
+        return text, []
+    return (content.strip() + rest).strip() or None, calls

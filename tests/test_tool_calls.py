@@ -1,0 +1,126 @@
+"""Tool-call formats: grammars that accept what the parsers read, parsing whole and streamed, and templates."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+
+from edgeserve.engine.constraints import ll_tokenizer
+from edgeserve.text.chat_template import ChatTemplate
+from edgeserve.text.tool_calls import (
+    HermesFormat,
+    Llama3Format,
+    MistralFormat,
+    ToolCall,
+    ToolCallStream,
+    format_for_template,
+    split_reply,
+)
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+CALLS = [ToolCall("get_weather", '{"city": "Paris", "unit": "c"}'), ToolCall("get_time", '{"tz": "CET"}')]
+FORMATS = [HermesFormat(), Llama3Format(), MistralFormat()]
+
+
+@pytest.fixture(scope="module")
+def llt(loaded_model) -> llguidance.LLTokenizer:
+    return ll_tokenizer(loaded_model.tokenizer, loaded_model.args.vocab_size)
+
+
+def matches(llt: llguidance.LLTokenizer, tokenizer, grammar: str, text: str) -> bool:
+    """Whether the grammar takes text whole and is then complete."""
+    matcher = llguidance.LLMatcher(llt, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    return matcher.consume_tokens(tokenizer.encode(text, add_bos=False)) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_written_calls_parse_back_and_the_grammar_takes_them(fmt, llt, loaded_model) -> None:
+    tokenizer = loaded_model.tokenizer
+    for calls, parallel in ((CALLS[:1], False), (CALLS, True)):
+        text = fmt.write(calls)
+        assert split_reply(text, fmt) == (None, calls)
+        assert matches(llt, tokenizer, fmt.grammar([WEATHER, TIME], parallel), text)
+    # one call only without parallel calls; only the named tools; arguments that follow the schema
+    assert not matches(llt, tokenizer, fmt.grammar([WEATHER, TIME], False), fmt.write(CALLS))
+    assert not matches(llt, tokenizer, fmt.grammar([TIME], True), fmt.write(CALLS[:1]))
+    bad = ToolCall("get_weather", '{"city": "Paris", "unit": "kelvin"}')
+    assert not matches(llt, tokenizer, fmt.grammar([WEATHER], False), fmt.write([bad]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_streamed_calls_come_whole_and_match_the_parse_of_the_whole_text(fmt) -> None:
+    text = fmt.write(CALLS)
+    if fmt.marker and not isinstance(fmt, Llama3Format):
+        text = "Let me look.\n" + text
+    content, calls = split_reply(text, fmt)
+    stream = ToolCallStream(fmt)
+    streamed, got = "", []
+    for i in range(0, len(text), 3):
+        piece, new = stream.feed(text[i:i + 3], False)
+        streamed += piece
+        got += new
+        assert fmt.marker[:2] not in streamed  # no markup reaches the content
+    piece, new = stream.feed("", True)
+    assert (streamed + piece).strip() == (content or "") and got + new == calls == CALLS
+
+
+def test_free_text_and_broken_calls_stay_text() -> None:
+    fmt = HermesFormat()
+    assert split_reply("Paris is sunny.", fmt) == ("Paris is sunny.", [])
+    broken = 'Sure <tool_call>\n{"name": "get_weather", "argu'
+    assert split_reply(broken, fmt) == (broken, [])
+    stream = ToolCallStream(fmt)
+    first, _ = stream.feed(broken, False)
+    last, calls = stream.feed("", True)
+    assert first + last == broken and calls == []
+    assert split_reply("I think {not a call}", Llama3Format()) == ("I think {not a call}", [])
+
+
+def test_the_format_comes_from_the_template() -> None:
+    assert isinstance(format_for_template("{{ '<tool_call>' }}"), HermesFormat)
+    assert isinstance(format_for_template("{{ '[TOOL_CALLS]' }}", {"[TOOL_CALLS]": 5}.get), MistralFormat)
+    assert "<[5]>" in format_for_template("[TOOL_CALLS]", {"[TOOL_CALLS]": 5}.get).grammar([WEATHER], False)
+    assert isinstance(format_for_template("{{ '<|python_tag|>' }}"), Llama3Format)
+    assert isinstance(format_for_template("{{ messages }}"), HermesFormat)
+
+
+# A template in the Hugging Face style: a `tools` variable, assistant tool_calls, tool messages.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['tool_calls'] is defined %}{% for c in m['tool_calls'] %}"
+    "[call {{ c['id'] }} {{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}]{% endfor %}\n"
+    "{% elif m['role'] == 'tool' %}[result {{ m['tool_call_id'] }} {{ m['content'] }}]\n"
+    "{% else %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+)
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "21 C", "tool_call_id": "call_1"},
+]
+
+
+def test_tools_and_tool_history_render_through_a_template_that_takes_them() -> None:
+    template = ChatTemplate(TOOLS_TEMPLATE)
+    assert template.supports_tools
+    text = template.render(HISTORY, tools=[WEATHER, TIME])
+    assert text.startswith("<tools>get_weather;get_time;</tools>")
+    assert '[call call_1 get_weather {"city": "Paris"}]' in text and "[result call_1 21 C]" in text
+
+
+def test_templates_without_tools_get_the_fallback_prompt() -> None:
+    template = ChatTemplate(None)  # ChatML, which knows no tools
+    assert not template.supports_tools
+    text = template.render(HISTORY, tools=[WEATHER])
+    assert text.startswith("<|im_start|>system\nYou may call one or more functions")
+    assert json.dumps(WEATHER) in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\n21 C\n</tool_response>" in text
+    assert "You may call" not in template.render(HISTORY)  # the history alone renders as text, no tools offered
