@@ -8,6 +8,7 @@ import json
 import sys
 
 import click
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -16,9 +17,29 @@ from edgeserve.cli.options import model_options
 from edgeserve.config import EngineConfig
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.loader import load_model
+from edgeserve.text.tokenizer import Tokenizer
 
 WORKLOADS = ("single", "mixed", "sweep", "prefix", "all")
 SWEEP = "1,4,8,16,32,64"
+
+
+# words in figure names, as a table shows them
+WORDS = {"ttft": "TTFT", "tpot": "time per output token", "kv": "KV", "wall": "wall time", "over": "/"}
+
+
+def figure_label(key: str, value: object) -> tuple[str, str]:
+    """A figure's name and value as a table shows them: seconds in ms, fractions in %, per_s as /s."""
+
+    def words(name: str) -> str:
+        return " ".join(WORDS.get(w, w) for w in name.split("_"))
+
+    if key.endswith("_per_s"):
+        return f"{words(key.removesuffix('_per_s'))}/s", str(value)
+    if key.endswith("_s") and isinstance(value, (int, float)):
+        return f"{words(key.removesuffix('_s'))} (ms)", f"{value * 1000:.1f}"
+    if isinstance(value, float) and ("utilization" in key or key.endswith("rate")):
+        return words(key), f"{100 * value:.1f}%"
+    return words(key), str(value)
 
 
 def _print_table(title: str, runs: list[dict]) -> None:
@@ -28,7 +49,9 @@ def _print_table(title: str, runs: list[dict]) -> None:
     for _ in runs:
         table.add_column(justify="right")
     for key in dict.fromkeys(k for run in runs for k in run):
-        table.add_row(key, *(str(run.get(key, "")) for run in runs))
+        cells = [figure_label(key, run[key]) if key in run else (None, "") for run in runs]
+        label = next(name for name, _ in cells if name is not None)
+        table.add_row(label, *(text for _, text in cells))
     Console(stderr=True).print(table)
 
 
@@ -56,11 +79,9 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
     tok = loaded.tokenizer
     results: dict[str, object] = {"model": loaded.source.name}
     if url:
-        from edgeserve.bench.http_driver import run_http_bench
-
-        requests = workloads.mixed_workload(tok, num_requests, seed, max_prompt=256, max_output=min(max_output, 128))
-        r = asyncio.run(run_http_bench(url, requests, concurrency, served_model, api_key=api_key))
-        results["http"] = r.summary()
+        results["url"] = url
+        results.update(_bench_server(url, workload, tok, num_requests, max_output, streams, seed, concurrency,
+                                     api_key, served_model))
         _emit(results, as_json)
         return
 
@@ -99,6 +120,37 @@ def _stream_counts(text: str) -> list[int]:
     try:
         counts = [int(part) for part in text.split(",")]
     except ValueError:
+def _bench_server(url: str, workload: str, tok: Tokenizer, num_requests: int, max_output: int, streams: str,
+                  seed: int, concurrency: int, api_key: str | None, model: str | None) -> dict:
+    """The chosen workloads, sent to a server as streaming completions."""
+    from edgeserve.bench.http_driver import run_http_bench
+
+    def send(requests: list[workloads.BenchRequest], clients: int) -> workloads.BenchResult:
+        return asyncio.run(run_http_bench(url, requests, clients, model, api_key=api_key))
+
+    results: dict[str, object] = {}
+    if workload in ("single", "all"):
+        r = send(workloads.uniform_workload(tok, 1, 512, 128, seed), 1).summary()
+        r["prefill_tokens_per_s"] = round(512 / r["ttft_p50_s"], 1)
+        results["single"] = r
+    if workload in ("mixed", "all"):
+        requests = workloads.mixed_workload(tok, num_requests, seed, max_prompt=256, max_output=min(max_output, 128))
+        results["mixed"] = send(requests, concurrency).summary()
+    if workload in ("sweep", "all"):
+        rows = []
+        for n in _stream_counts(streams):
+            r = send(workloads.uniform_workload(tok, n, 128, 128, seed), n).summary()
+            rows.append({"streams": n, "output_tokens_per_s": r["output_tokens_per_s"], "tpot_p50_s": r["tpot_p50_s"]})
+        results["sweep"] = rows
+    if workload in ("prefix", "all"):
+        # one at a time: the first finds the shared prompt cold, the rest in the server's prefix cache
+        timings = send(workloads.shared_prefix_workload(tok, 16, 1500, seed=seed), 1).timings
+        cold, hit = timings[0].ttft, float(np.median([t.ttft for t in timings[1:]]))
+        results["prefix"] = {"requests": len(timings), "cold_ttft_s": round(cold, 4), "hit_ttft_p50_s": round(hit, 4),
+                             "cold_over_hit_ttft": round(cold / hit, 1)}
+    return results
+
+
         counts = []
     if not counts or min(counts) < 1:
         raise click.BadParameter(f"{text!r} is not a comma-separated list of stream counts", param_hint="--streams")
@@ -110,7 +162,7 @@ def _emit(results: dict, as_json: bool) -> None:
         click.echo(json.dumps(results, indent=1))
         return
     for key, value in results.items():
-        if key == "mixed":
+        if key == "mixed" and "continuous" in value:
             _print_table("mixed workload: continuous vs static batching",
                          [value["continuous"], value["static"]])
             click.echo(f"continuous / static throughput: {value['continuous_over_static']}x", err=True)

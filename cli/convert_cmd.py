@@ -6,17 +6,51 @@ import dataclasses
 from pathlib import Path
 
 import click
+import numpy as np
 
+from edgeserve.cli.local_models import record_conversion
 from edgeserve.cli.options import build_engine, model_options
 from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
-from edgeserve.models.loader import load_model
+from edgeserve.models.loader import LoadedModel, load_model
+from edgeserve.quant.affine import QuantizedTensor
 from edgeserve.quant.convert import check_output, convert
-from edgeserve.quant.perplexity import text_perplexity
-from edgeserve.quant.report import SHIPPED_TEXT, SHIPPED_TEXT_TITLE, quality_report
+from edgeserve.quant.kquants import KQuantTensor
+from edgeserve.quant.perplexity import text_perplexity, windows
+from edgeserve.quant.report import REPORT_CTX, SHIPPED_TEXT, SHIPPED_TEXT_TITLE, quality_report
+from edgeserve.system import usable_cores
 from edgeserve.units import format_size
 
 PERPLEXITY_WINDOW = 512  # tokens, where --ctx-size is not given
+# Prefill work one CPU core does per second, in parameters x tokens (a 135M model at ~300 tokens/s
+# a core): enough for an estimate that says seconds or minutes or hours.
+CPU_PARAM_TOKENS_PER_CORE_S = 4e10
+
+
+def source_layer_bits(model: LoadedModel) -> int | None:
+    """The widest width of the source's quantized layer matrices; None where any of them is not quantized."""
+    widths = []
+    for name, w in model.weights.items():
+        if ".layers." not in name:
+            continue
+        if isinstance(w, QuantizedTensor):
+            widths.append(w.bits)
+        elif isinstance(w, KQuantTensor):
+            widths.append(int(w.qtype.name[1]))  # Q4_K, Q5_K, Q6_K
+        elif np.ndim(w) == 2:
+            return None
+    return max(widths, default=None)
+
+
+def report_notice(model: LoadedModel) -> str:
+    """What --report is about to do, and roughly how long it takes."""
+    tokens = len(model.tokenizer.encode(SHIPPED_TEXT.read_text(encoding="utf-8")))
+    count = len(windows(tokens, REPORT_CTX, REPORT_CTX // 2))
+    seconds = 2 * count * REPORT_CTX * model.num_parameters / (CPU_PARAM_TOKENS_PER_CORE_S * usable_cores())
+    rough = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+    return (f"--report computes perplexity twice, {count} windows of {REPORT_CTX} tokens each: "
+            f"1/2 the source, then 2/2 the converted model (roughly {rough} on this CPU; the bars show "
+            f"what is left)")
 
 
 @click.command("convert")
@@ -41,10 +75,20 @@ def convert_cmd(source: str, out: Path, bits: str, group_size: str | None, keep_
     """
     check_output(out, force)  # before the slow load
     model = load_model(source)
+    width = source_layer_bits(model)
+    if width is not None and int(bits) > width:
+        click.echo(f"note: the source's layers are {width}-bit; {bits}-bit holds the same values in more bytes, "
+                   f"so it cannot gain quality over the source", err=True)
+    if report:
+        click.echo(report_notice(model), err=True)
     result = convert(
         model, out, bits=int(bits), group_size=int(group_size) if group_size else None,
         keep_embeddings=int(keep_embeddings), force=force, measure_errors=report,
     )
+    try:
+        record_conversion(out, source, result.describe())
+    except OSError as exc:  # the folder is fine; only `edgeserve models` will not list it
+        click.echo(f"note: could not record {out} for `edgeserve models`: {exc}", err=True)
     click.echo(f"wrote {out} ({result.describe()}; {format_size(result.total_bytes)} of weights)")
     if report:
         click.echo(quality_report(model, result))

@@ -23,7 +23,7 @@ class Group(click.Group):
             sys.exit(130)
 
 
-@click.group(cls=Group)
+@click.group(cls=Group, context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="edgeserve")
 def cli() -> None:
     """edgeserve: a fast local LLM runtime (MLX or NumPy), with chat, TUI and an OpenAI-compatible server."""
@@ -33,12 +33,13 @@ def _register() -> None:
     from edgeserve.cli.bench_cmd import bench_cmd
     from edgeserve.cli.chat_cmd import chat
     from edgeserve.cli.convert_cmd import convert_cmd, eval_group
-    from edgeserve.cli.model_cmds import info, models, pull
+    from edgeserve.cli.model_cmds import info, models, pull, rm
+    from edgeserve.cli.ps_cmd import ps
     from edgeserve.cli.run_cmd import run
     from edgeserve.cli.serve_cmd import serve
     from edgeserve.cli.tui_cmd import tui
 
-    for command in (run, pull, models, info, serve, chat, tui, convert_cmd, eval_group, bench_cmd):
+    for command in (run, pull, models, rm, ps, info, serve, chat, tui, convert_cmd, eval_group, bench_cmd):
         cli.add_command(command)
 
 

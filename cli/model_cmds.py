@@ -1,13 +1,17 @@
-"""`edgeserve pull`, `edgeserve models` and `edgeserve info`: the model catalog and what a model needs."""
+"""`edgeserve pull`, `models`, `rm` and `info`: the model catalog, the models on this machine, and what a model needs."""
 
 from __future__ import annotations
 
+import json
+
 import click
 
-from edgeserve.backends import WEIGHT_MODES, resident_weight_bytes
+from edgeserve.backends import BACKENDS, WEIGHT_MODES, resident_weight_bytes
 from edgeserve.engine.kv_pool import kv_bytes_per_token
 from edgeserve.metal import active_attention_path
-from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, local_models, local_path, pull as pull_model
+from edgeserve.cli.local_models import as_json, find_local, list_local, remove_local
+from edgeserve.errors import EdgeserveError
+from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, local_path, pull as pull_model
 from edgeserve.models.loader import load_model
 from edgeserve.units import format_size
 
@@ -21,27 +25,51 @@ def pull(name: str, force: bool) -> None:
 
 
 @click.command()
-def models() -> None:
-    """List catalog models and what is in the local cache."""
+@click.option("--json", "json_out", is_flag=True, help="Print the catalog and the local models as JSON.")
+def models(json_out: bool) -> None:
+    """List catalog models, the pulled ones, and the folders `edgeserve convert` wrote."""
+    local = list_local()
+    if json_out:
+        catalog = [{"name": e.name, "description": e.description, "default": e.name == DEFAULT_MODEL,
+                    "pulled": local_path(e).is_file()} for e in CATALOG.values()]
+        click.echo(json.dumps({"catalog": catalog, "local": as_json(local)}, indent=1))
+        return
     click.echo("catalog:")
     for entry in CATALOG.values():
         mark = "pulled" if local_path(entry).is_file() else "not pulled"
         default = " (default)" if entry.name == DEFAULT_MODEL else ""
         click.echo(f"  {entry.name:28} {entry.description}{default} [{mark}]")
-    click.echo("local:")
-    for path in local_models():
-        size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        click.echo(f"  {path}  {format_size(size)}")
+    click.echo("local (the name is what --model takes):")
+    for m in local:
+        click.echo(f"  {m.name:28} {format_size(m.size_bytes):>10}  {m.kind}" + (f": {m.detail}" if m.detail else ""))
+
+
+@click.command("rm")
+@click.argument("names", nargs=-1, required=True)
+@click.option("--yes", "-y", is_flag=True, help="Do not ask before deleting.")
+def rm(names: tuple[str, ...], yes: bool) -> None:
+    """Delete local models: pulled catalog models by name, converted folders by path."""
+    found = [find_local(name) for name in names]  # every name checked before anything goes
+    for m in found:
+        if not yes and not click.confirm(f"delete {m.path} ({format_size(m.size_bytes)})?", err=True):
+            continue
+        remove_local(m)
+        click.echo(f"deleted {m.path}")
 
 
 @click.command()
-@click.argument("model", default=DEFAULT_MODEL)
+@click.argument("model_argument", metavar="[MODEL]", required=False)
+@click.option("--model", "-m", default=None, help=f"The model, as MODEL  [default: {DEFAULT_MODEL}]")
 @click.option("--sessions", "-s", default=4, show_default=True, help="Concurrent sessions to size memory for.")
-@click.option("--context", "-c", default=4096, show_default=True, help="Tokens per session.")
-@click.option("--backend", default="auto", show_default=True, help="Backend whose attention path to report.")
-def info(model: str, sessions: int, context: int, backend: str) -> None:
+@click.option("--ctx-size", "-c", "context", default=4096, show_default=True, type=click.IntRange(min=1),
+              help="Tokens per session.")
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+              help="Backend whose attention path to report.")
+def info(model_argument: str | None, model: str | None, sessions: int, context: int, backend: str) -> None:
     """Architecture, size, quantization, KV bytes per token and memory for N sessions of C tokens."""
-    m = load_model(model)
+    if model_argument and model and model_argument != model:
+        raise EdgeserveError(f"two models given: {model_argument} and -m {model}")
+    m = load_model(model_argument or model or DEFAULT_MODEL)
     a = m.args
     kv16, kv32 = kv_bytes_per_token(a, 2), kv_bytes_per_token(a, 4)
     rows = [

@@ -53,7 +53,11 @@ def _listen(host: str, port: int) -> socket.socket:
 @model_options
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. Anything but loopback exposes the model to your network.")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="TCP port to listen on; 0 picks a free one.")
+@click.option("--alias", "aliases", multiple=True, metavar="NAME",
+              help="Another model name to answer to (repeatable), for clients with a hard-coded one; "
+                   "other names stay 404.")
 @click.option("--api-key", envvar="EDGESERVE_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1 (default: $EDGESERVE_API_KEY).")
 @click.option("--max-queue", default=DEFAULT_MAX_QUEUE, show_default=True, type=click.IntRange(1),
@@ -67,19 +71,21 @@ def _listen(host: str, port: int) -> socket.socket:
               help="On SIGTERM or Ctrl-C, seconds running requests get to finish (new ones get 503) before the "
                    "rest are aborted. A second signal aborts them at once.")
 def serve(model: str, config: EngineConfig, host: str, port: int, api_key: str | None,
-          max_queue: int, max_body_size: int, allowed_hosts: tuple[str, ...], shutdown_timeout: float) -> None:
+          aliases: tuple[str, ...], max_queue: int, max_body_size: int, allowed_hosts: tuple[str, ...],
+          shutdown_timeout: float) -> None:
     """Serve a model over the OpenAI API (chat and text completions, streaming) for local tools."""
     sock = _listen(host, port)
     engine = build_engine(model, config)
     aengine = AsyncEngine(engine)
     name = served_model_name(model)
     app = create_app(aengine, name, api_key=api_key, max_queue=max_queue, max_body_size=max_body_size,
-                     allowed_hosts=(host, *allowed_hosts))
+                     allowed_hosts=(host, *allowed_hosts), aliases=aliases)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     if not api_key and not _is_loopback(host):
         click.echo(f"warning: listening on {host} without an API key; anyone who can reach it can use it", err=True)
     address = f"[{host}]" if ":" in host else host
-    click.echo(f"serving {name} at http://{address}:{sock.getsockname()[1]}/v1 (Ctrl-C stops)")
+    names = ", ".join((name, *aliases))
+    click.echo(f"serving {names} at http://{address}:{sock.getsockname()[1]}/v1 (Ctrl-C stops)")
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=FLUSH_TIMEOUT)
     try:
         DrainingServer(config, app.state.server, shutdown_timeout).run(sockets=[sock])

@@ -118,7 +118,9 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, progr
     peak_slots, stored_at_peak, peak_running = 0, 0, 0
     decode_time, decode_tokens = 0.0, 0
     bs = engine.pool_size.block_size
-    with tqdm(total=len(ids), desc=name, unit="req", disable=not progress, leave=False) as bar:
+    # counted in output tokens, so a run of one long request moves too; the postfix counts finished requests
+    with tqdm(total=sum(r.max_tokens for r in requests), desc=name, unit="tok", disable=not progress,
+              leave=False, postfix=f"0/{len(ids)} requests") as bar:
         step_start = time.perf_counter()
 
         def measure(outputs: list[RequestOutput]) -> None:
@@ -133,10 +135,11 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, progr
                 peak_slots, peak_running, stored_at_peak = slots, stats.running, stats.kv_tokens_stored
             for out in outputs:
                 first.setdefault(out.request_id, now)
+                bar.update(len(out.token_ids))
                 if out.finished:
                     done[out.request_id] = RequestTiming(out.num_prompt_tokens, out.num_output_tokens,
                                                          first[out.request_id] - start, now - start)
-                    bar.update(1)
+                    bar.set_postfix_str(f"{len(done)}/{len(ids)} requests", refresh=False)
             step_start = time.perf_counter()
 
         engine.run_to_completion(measure)
