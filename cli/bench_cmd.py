@@ -116,10 +116,6 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
     _emit(results, as_json)
 
 
-def _stream_counts(text: str) -> list[int]:
-    try:
-        counts = [int(part) for part in text.split(",")]
-    except ValueError:
 def _bench_server(url: str, workload: str, tok: Tokenizer, num_requests: int, max_output: int, streams: str,
                   seed: int, concurrency: int, api_key: str | None, model: str | None) -> dict:
     """The chosen workloads, sent to a server as streaming completions."""
@@ -151,6 +147,10 @@ def _bench_server(url: str, workload: str, tok: Tokenizer, num_requests: int, ma
     return results
 
 
+def _stream_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
         counts = []
     if not counts or min(counts) < 1:
         raise click.BadParameter(f"{text!r} is not a comma-separated list of stream counts", param_hint="--streams")
