@@ -117,6 +117,11 @@ class Constraints:
                     self._compiled.popitem(last=False)
         return template.deep_copy()
 
+    @property
+    def num_compiled(self) -> int:
+        """Grammars compiled and kept."""
+        return len(self._compiled)
+
     def _build(self, kind: str, source: str) -> llguidance.LLMatcher:
         grammar = grammar_text(kind, source)
         error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
