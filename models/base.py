@@ -86,20 +86,15 @@ class ModelArgs:
 
 @dataclass
 class WindowedArgs(ModelArgs):
-    """The arguments of a family whose attention may look back only `sliding_window` tokens
-    (Mistral 7B v0.1: 4096 of a 32k context; None: every earlier token is seen).
-
-    The attention ops see a sequence whole, which is the windowed attention exactly while no
-    sequence is longer than the window: a model whose window is shorter than its context runs with
-    its context cut to the window, so a longer prompt is refused as too long, never answered wrong.
-    """
+    """The arguments of a family whose attention may look back only `sliding_window` tokens, itself
+    included (Mistral 7B v0.1: 4096 of a 32k context; None: every earlier token is seen)."""
 
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.sliding_window and self.sliding_window < self.max_position_embeddings:
-            self.max_position_embeddings = self.sliding_window
+        if self.sliding_window is not None and self.sliding_window >= self.max_position_embeddings:
+            self.sliding_window = None  # no sequence outgrows it: plain causal attention, on the fast paths
 
 
 def rope_inv_freq(args: ModelArgs) -> np.ndarray:

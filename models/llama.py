@@ -37,6 +37,7 @@ class Attention:
     qkv: Prepared
     qkv_bias: Array | None
     o: Prepared
+    window: int | None = None  # keys each query sees, itself included (sliding-window attention); None: all
 
     @classmethod
     def load(cls, args: ModelArgs, weights: Weights, prefix: str, be: Backend) -> Attention:
@@ -64,7 +65,7 @@ class Attention:
         q, k = self.position(be, qkv[:, :k_end].reshape(t, n_q + n_kv, hd), meta)
         v = qkv[:, k_end:].reshape(t, n_kv, hd)
         kv.write(layer, k, v, meta)
-        o = be.paged_attention(q, kv.k[layer], kv.v[layer], meta)
+        o = be.paged_attention(q, kv.k[layer], kv.v[layer], meta, self.window)
         return be.matmul(o.reshape(t, n_q * hd), self.o)
 
     def position(self, be: Backend, qk: Array, meta: StepMeta) -> tuple[Array, Array]:

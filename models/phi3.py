@@ -27,8 +27,6 @@ class Phi3Args(WindowedArgs):
                 raise ModelLoadError("phi3 LongRoPE without original_max_position_embeddings")
             self.original_max_position_embeddings = original
             self.rope_scaling = {**scaling, "original_max_position_embeddings": original}
-            # fixed before an attention window may cut max_position_embeddings, which it derives from
-            self.rope_scaling["attention_factor"] = rope_attention_factor(self)
         super().__post_init__()
 
 
@@ -40,7 +38,8 @@ class Phi3Attention(Attention):
     def load(cls, args: ModelArgs, weights: Weights, prefix: str, be: Backend) -> Phi3Attention:
         return cls(args.num_attention_heads, args.num_key_value_heads, args.head_dim,
                    qkv=be.linear([weights[prefix + "qkv_proj.weight"]]), qkv_bias=None,
-                   o=be.linear([weights[prefix + "o_proj.weight"]]), rope_factor=rope_attention_factor(args))
+                   o=be.linear([weights[prefix + "o_proj.weight"]]), window=args.sliding_window,
+                   rope_factor=rope_attention_factor(args))
 
     def position(self, be: Backend, qk: Array, meta: StepMeta) -> tuple[Array, Array]:
         q, k = super().position(be, qk, meta)

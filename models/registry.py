@@ -17,6 +17,7 @@ from edgeserve.backends.base import Backend
 from edgeserve.errors import ModelLoadError
 from edgeserve.models.base import Model, ModelArgs, Weights, WindowedArgs
 from edgeserve.models.llama import Llama, Qwen2Args
+from edgeserve.models.mistral import Mistral
 from edgeserve.models.phi3 import Phi3, Phi3Args
 from edgeserve.models.qwen3 import Qwen3
 
@@ -39,7 +40,7 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(Llama, "LlamaForCausalLM", gguf_name="llama", gguf_rope_permuted=True),
-    "mistral": Architecture(Llama, "MistralForCausalLM", WindowedArgs),  # GGUF: written as llama
+    "mistral": Architecture(Mistral, "MistralForCausalLM", WindowedArgs),  # GGUF: written as llama
     "phi3": Architecture(Phi3, "Phi3ForCausalLM", Phi3Args, gguf_name="phi3",
                          gguf_layer_names={"ffn_up": "mlp.gate_up_proj"}),
     "qwen2": Architecture(Llama, "Qwen2ForCausalLM", Qwen2Args, gguf_name="qwen2"),
