@@ -37,6 +37,17 @@ def read_prompt(prompt: str | None, prompt_option: str | None, prompt_file: Text
     return text
 
 
+def read_schema(schema_file: TextIO) -> dict:
+    """The JSON Schema in --json-schema's file (its grammar is checked when the request is added)."""
+    try:
+        schema = json.load(schema_file)
+    except ValueError as exc:
+        raise click.BadParameter(f"{schema_file.name} is not JSON: {exc}", param_hint="--json-schema") from None
+    if not isinstance(schema, dict):
+        raise click.BadParameter(f"{schema_file.name} holds no JSON object", param_hint="--json-schema")
+    return schema
+
+
 @click.command()
 @model_options
 @sampling_options(temperature=0.0, max_tokens=256)
@@ -46,17 +57,20 @@ def read_prompt(prompt: str | None, prompt_option: str | None, prompt_file: Text
 @click.option("--system", default=None, help="System prompt (chat models).")
 @click.option("--raw", is_flag=True, help="Send the prompt as is, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and timings.")
+@click.option("--json-schema", "schema_file", type=click.File(encoding="utf-8"), default=None,
+              help="Answer with JSON that follows the JSON Schema in this file.")
 @click.argument("prompt", required=False)
 def run(model: str, config: EngineConfig, settings: dict, prompt_option: str | None, prompt_file: TextIO | None,
-        system: str | None, raw: bool, as_json: bool, prompt: str | None) -> None:
+        system: str | None, raw: bool, as_json: bool, schema_file: TextIO | None, prompt: str | None) -> None:
     """Answer PROMPT once and exit.
 
     The prompt comes from PROMPT, -p TEXT or -f FILE; with none of them (or '-'), from stdin:
     `echo hi | edgeserve run`.
     """
     prompt = read_prompt(prompt, prompt_option, prompt_file)
+    schema = read_schema(schema_file) if schema_file is not None else None
     engine = build_engine(model, config, quiet=as_json)
-    params = SamplingParams(**settings)
+    params = SamplingParams(**settings, json_schema=schema)
     if raw or engine.tokenizer.chat_template is None and system is None:
         ids = engine.tokenize_prompt(prompt)
     else:

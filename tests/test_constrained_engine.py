@@ -7,7 +7,9 @@ import re
 
 import jsonschema
 import pytest
+from click.testing import CliRunner
 
+from edgeserve.cli.main import cli
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.llm import LLM
 from edgeserve.sampling_params import InvalidParamsError, SamplingParams
@@ -88,3 +90,21 @@ def test_the_mlx_backend_masks_its_rows_too(tiny_model) -> None:
             "free": ([9, 10, 11], SamplingParams(max_tokens=12, temperature=0))})
         jsonschema.validate(json.loads(outputs[backend]["json"].text), SCHEMA)
     assert outputs["mlx"]["free"].text and outputs["numpy"]["json"].finish_reason == "stop"
+
+
+def test_cli_run_with_a_json_schema(model_path, tmp_path) -> None:
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    args = ["run", "-m", str(model_path), "--backend", "numpy", "--kv-memory", "32MiB", "--json",
+            "--json-schema", str(schema_file), "Describe a product."]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    jsonschema.validate(json.loads(answer["text"]), SCHEMA)
+    assert answer["finish_reason"] == "stop"
+    schema_file.write_text('{"type": "bogus"}')
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code != 0 and "json_schema" in result.output and "Traceback" not in result.output
+    schema_file.write_text("not json")
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and "--json-schema" in result.output and "is not JSON" in result.output
