@@ -35,9 +35,13 @@ def apply_penalties(logits: np.ndarray, seq: Sequence) -> np.ndarray:
 def sample_row(logits: np.ndarray, seq: Sequence) -> int:
     """One token from processed logits: temperature, top-k, top-p, min-p, then a seeded draw."""
     p = seq.params
+    # Forbidden by a grammar (masked to about -LOGIT_LIMIT): no penalty may lift them (a repetition
+    # penalty of 1e-300 would, multiplying them), nor may clipping tie them with penalized allowed ones.
+    masked = logits <= -LOGIT_LIMIT
     with np.errstate(over="ignore"):  # extreme penalties overflow to inf, clipped below: inf - inf is NaN
         logits = apply_penalties(logits.astype(np.float64), seq)
     logits = np.clip(np.nan_to_num(logits, nan=-LOGIT_LIMIT), -LOGIT_LIMIT, LOGIT_LIMIT)
+    logits[masked] = -np.inf
     if p.greedy:
         return int(np.argmax(logits))
     logits = logits / p.temperature
