@@ -143,6 +143,36 @@ def test_gguf_loads_to_the_same_model(family, tmp_path):
     assert worst_difference(engine, reference(name)) <= TOLERANCE
 
 
+def transformers4_config(folder: Path) -> None:
+    """Rewrite config.json the way transformers 4 (and so most published models) wrote RoPE: a top-level
+    rope_theta and, where scaled, rope_scaling with a "type" (mlx-lm reads Phi-3's LongRoPE only there)."""
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    if rope["rope_type"] != "default":
+        config["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_mlx_lm_folders_load_to_mlx_lm_logits(family, tmp_path):
+    """mlx-lm converts the Hugging Face folder to 8-bit MLX groups; its own model (float32) and ours
+    on that folder, with transformers 4's config.json, agree at every position."""
+    mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]')")
+    import mlx_lm
+
+    name, model = family
+    folder = tmp_path / "mlx"
+    mlx_lm.convert(str(model.source), mlx_path=str(folder), quantize=True, q_bits=8, q_group_size=32)
+    transformers4_config(folder)
+    peer, _ = mlx_lm.load(str(folder))
+    peer.set_dtype(mx.float32)
+    ours = load_folder(folder)
+    assert ours.format == "mlx" and ours.quantization().startswith("8-bit g32")
+    cases = [(ids, np.array(peer(mx.array([ids]))[0])) for ids, _ in reference(name)]
+    engine = LLMEngine(ours, backend="numpy", weights="float32", kv_memory="16MiB")
+    assert worst_difference(engine, cases) <= TOLERANCE
+
+
 def test_greedy_decoding_agrees_with_the_prompt_logits(family):
     """Tokens decoded one at a time through the paged pool, after a prefill in small chunks, are the
     argmax of one whole-sequence pass: the per-family parts act alike on both paths."""
