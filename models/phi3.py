@@ -5,6 +5,7 @@ the 128k-context models, and an attention window in some configs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from edgeserve.backends.base import Array, Backend, StepMeta
 from edgeserve.errors import ModelLoadError
@@ -28,6 +29,13 @@ class Phi3Args(WindowedArgs):
             self.original_max_position_embeddings = original
             self.rope_scaling = {**scaling, "original_max_position_embeddings": original}
         super().__post_init__()
+
+    def to_config(self) -> dict[str, Any]:
+        config = super().to_config()
+        scaling = config.get("rope_scaling")
+        if scaling and "rope_type" in scaling:
+            config["rope_scaling"] = {**scaling, "type": scaling["rope_type"]}  # where mlx-lm's Phi-3 reads it
+        return config
 
 
 @dataclass

@@ -154,16 +154,23 @@ def transformers4_config(folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
-def test_mlx_lm_folders_load_to_mlx_lm_logits(family, tmp_path):
-    """mlx-lm converts the Hugging Face folder to 8-bit MLX groups; its own model (float32) and ours
-    on that folder, with transformers 4's config.json, agree at every position."""
+@pytest.mark.parametrize("converter", ["mlx-lm", "edgeserve"])
+def test_mlx_folders_load_here_as_in_mlx_lm(family, tmp_path, converter):
+    """The Hugging Face folder converted to 8-bit MLX groups by mlx-lm (config.json rewritten as
+    transformers 4 wrote it) or by `edgeserve convert`: mlx-lm's own model (float32) and ours on
+    that folder agree at every position."""
     mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]')")
     import mlx_lm
 
     name, model = family
     folder = tmp_path / "mlx"
-    mlx_lm.convert(str(model.source), mlx_path=str(folder), quantize=True, q_bits=8, q_group_size=32)
-    transformers4_config(folder)
+    if converter == "mlx-lm":
+        mlx_lm.convert(str(model.source), mlx_path=str(folder), quantize=True, q_bits=8, q_group_size=32)
+        transformers4_config(folder)
+    else:
+        result = CliRunner().invoke(cli, ["convert", str(model.source), "-o", str(folder), "--bits", "8",
+                                          "--group-size", "32"])
+        assert result.exit_code == 0, result.output
     peer, _ = mlx_lm.load(str(folder))
     peer.set_dtype(mx.float32)
     ours = load_folder(folder)
