@@ -11,17 +11,21 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import openai
 import pytest
 import tokenizers
 from click.testing import CliRunner
 
 from conftest import tiny_tokenizer
+from loopback import ServerThread
 from edgeserve.cli.main import cli
+from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.errors import ModelLoadError
 from edgeserve.models.base import rope_attention_factor
 from edgeserve.models.loader import LoadedModel, load_folder, load_gguf
 from edgeserve.sampling_params import SamplingParams
+from edgeserve.server.app import create_app
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
 FAMILIES = ["qwen3", "phi3", "mistral"]
@@ -211,6 +215,28 @@ def test_phi3_with_partial_rotary_embeddings_is_refused(tmp_path):
     folder = family_folder("phi3", tmp_path, rope_parameters={**config["rope_parameters"], "partial_rotary_factor": 0.75})
     with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.75"):
         load_folder(folder)
+
+
+def test_served_over_http_as_in_process(family):
+    """The family behind `edgeserve serve`'s app, asked by the openai client for a greedy chat answer:
+    the same tokens as the engine's own greedy decode of the rendered prompt."""
+    name, model = family
+    messages = [{"role": "user", "content": "Say something."}]
+    engine = LLMEngine(model, backend="numpy", kv_memory="16MiB")
+    prompt = engine.chat_prompt_ids(messages)
+    engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), "r")
+    want = model.tokenizer.decode(engine.run_to_completion()["r"].token_ids, skip_special_tokens=True)
+    aengine = AsyncEngine(engine)
+    server = ServerThread(create_app(aengine, name))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        answer = client.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0,
+                                                extra_body={"ignore_eos": True})
+    finally:
+        server.stop()
+        aengine.shutdown()
+    assert answer.usage.completion_tokens == 8
+    assert answer.choices[0].message.content == want
 
 
 @pytest.mark.parametrize("name, shape", [
