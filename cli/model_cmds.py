@@ -9,6 +9,7 @@ import click
 from edgeserve.backends import BACKENDS, WEIGHT_MODES, resident_weight_bytes
 from edgeserve.engine.kv_pool import kv_bytes_per_token
 from edgeserve.metal import active_attention_path
+from edgeserve.metal.launch_limits import describe_attention
 from edgeserve.cli.local_models import as_json, find_local, list_local, remove_local
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, local_path, pull as pull_model
@@ -86,7 +87,8 @@ def info(model_argument: str | None, model: str | None, sessions: int, context: 
                                            f"{format_size(sessions * context * kv32)} KV (float32)"),
         ("NumPy weights", ", ".join(f"{format_size(resident_weight_bytes(m, mode))} resident as {mode}"
                                     for mode in WEIGHT_MODES)),
-        ("attention", active_attention_path(backend)),
+        ("attention", describe_attention(active_attention_path(backend), a.head_dim, a.num_attention_heads,
+                                         a.num_key_value_heads)),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -1,5 +1,6 @@
 """The custom paged-attention kernels: Metal sources through mx.fast.metal_kernel, CUDA twins through
-mx.fast.cuda_kernel, and the host side that sizes their launches.
+mx.fast.cuda_kernel (both generated from one template by `codegen`), and the host side that sizes
+their launches.
 
 One kernel serves the whole ragged batch: every query row (a decode token or a row of a prefill
 chunk) attends to the first `position + 1` tokens of its sequence, read straight from the pool
@@ -18,22 +19,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 
 from edgeserve.batch import Batch
+from edgeserve.metal.codegen import generated_path
+from edgeserve.metal.launch_limits import THREADS, kernel_supports
 from edgeserve.metal.reference import ReferenceMeta, prepare_reference, reference_paged_attention
 
-THREADS = 128  # 4 SIMD groups / warps per threadgroup, as the sources assume
-SUPPORTED_HEAD_DIMS = (64, 128)
 # Enough threadgroups to keep every core of a large GPU busy; partitions are cut to reach it.
 TARGET_THREADGROUPS = 512
 MIN_PARTITION, MAX_PARTITION = 64, 1024
-
-_SOURCES = Path(__file__).parent
 
 
 @dataclass
@@ -69,36 +67,35 @@ def partition_size(num_rows: int, n_kv: int, max_len: int) -> int:
     return min(MAX_PARTITION, max(MIN_PARTITION, 1 << (tokens - 1).bit_length()))
 
 
-@cache
-def _kernels(platform: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """The (partition, reduce) kernel objects for one platform, built once."""
-    make = mx.fast.metal_kernel if platform == "metal" else mx.fast.cuda_kernel
-    ext = "metal" if platform == "metal" else "cu"
+def make_kernels(make: Callable[..., Any], target: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The (partition, reduce) kernel objects `make` builds from the target's generated sources:
+    make is mx.fast.metal_kernel or mx.fast.cuda_kernel, or the CPU emulation's metal_kernel."""
     partition = make(
         name="edgeserve_paged_attention",
         input_names=["q", "k_cache", "v_cache", "block_tables", "row_seq", "row_len"],
         output_names=["part_acc", "part_max", "part_sum"],
-        source=(_SOURCES / f"paged_attention.{ext}").read_text(),
+        source=generated_path("paged_attention", target).read_text(),
     )
     reduce = make(
         name="edgeserve_paged_attention_reduce",
         input_names=["part_acc", "part_max", "part_sum"],
         output_names=["out"],
-        source=(_SOURCES / f"paged_attention_reduce.{ext}").read_text(),
+        source=generated_path("paged_attention_reduce", target).read_text(),
     )
     return partition, reduce
 
 
-def kernel_supports(head_dim: int, n_heads: int, n_kv: int) -> bool:
-    """Whether the kernels' thread layout fits this attention shape."""
-    return head_dim in SUPPORTED_HEAD_DIMS and n_heads % n_kv == 0
+@cache
+def _kernels(platform: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The (partition, reduce) kernel objects for one platform, built once."""
+    return make_kernels(mx.fast.metal_kernel if platform == "metal" else mx.fast.cuda_kernel, platform)
 
 
 def kernel_paged_attention(
     q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: KernelMeta, platform: str
 ) -> mx.array:
     """Attention of each row [T, n_heads, head_dim] over its sequence's K/V, read in place from the pool."""
-    t, n_heads, hd = q.shape
+    _, n_heads, hd = q.shape
     n_kv = k_cache.shape[2]
     if not kernel_supports(hd, n_heads, n_kv):
         if meta.fallback is None:
@@ -106,9 +103,18 @@ def kernel_paged_attention(
         return reference_paged_attention(q, k_cache, v_cache, meta.fallback)
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q is {q.dtype} but the pool is {k_cache.dtype}/{v_cache.dtype}")
+    return launch(*_kernels(platform), q, k_cache, v_cache, meta)
+
+
+def launch(
+    partition: Callable[..., Any], reduce: Callable[..., Any], q: mx.array, k_cache: mx.array, v_cache: mx.array,
+    meta: KernelMeta,
+) -> mx.array:
+    """Both passes through the given kernel objects, sized for this batch."""
+    t, n_heads, hd = q.shape
+    n_kv = k_cache.shape[2]
     part = partition_size(t, n_kv, meta.max_len)
     num_parts = math.ceil(meta.max_len / part)
-    partition, reduce = _kernels(platform)
     part_acc, part_max, part_sum = partition(
         inputs=[q, k_cache, v_cache, meta.block_tables, meta.row_seq, meta.row_len],
         template=[

@@ -1,17 +1,23 @@
-// Paged attention, pass 1 of 2 (CUDA body for mx.fast.cuda_kernel; twin of paged_attention.metal).
+// CUDA body for mx.fast.cuda_kernel, generated from paged_attention.kernel by
+// `python -m edgeserve.metal.codegen`: edit the template, not this file.
 //
-// One thread block per (query row, KV head, partition of the row's visible context). The row
-// attends to tokens [0, row_len) of its sequence, read from the pool through its block table;
-// a decode row sees its whole context, a prefill row sees the tokens up to its own position.
-// The block's 4 warps walk the partition's tokens: a warp holds SLOTS tokens at a time, each in
-// a group of LANES lanes that own VEC elements of the head dimension apiece. Every lane group
-// keeps an online softmax (running max, running sum, unnormalised output) for all GROUP query
-// heads that share the KV head, so each K/V row is read once for the whole group. The states
-// are merged within the warp by shuffles, then across warps in shared memory, and the
-// partition's (max, sum, output) goes to pass 2, which merges the partitions.
+// Paged attention, pass 1 of 2.
+//
+// One threadgroup (CUDA: thread block) per (query row, KV head, partition of the row's visible
+// context). The row attends to tokens [0, row_len) of its sequence, read from the pool through
+// its block table; a decode row sees its whole context, a prefill row sees the tokens up to its
+// own position. The threadgroup's 4 SIMD groups (warps) walk the partition's tokens: a SIMD
+// group holds SLOTS tokens at a time, each in a group of LANES lanes that own VEC elements of
+// the head dimension apiece. Every lane group keeps an online softmax (running max, running
+// sum, unnormalised output) for all GROUP query heads that share the KV head, so each K/V row
+// is read once for the whole group. The states are merged within the SIMD group by shuffles,
+// then across SIMD groups in threadgroup (shared) memory, and the partition's (max, sum,
+// output) goes to pass 2, which merges the partitions.
 //
 // Template constants: T (element type of q and the pool), HEAD_DIM, GROUP (query heads per KV
 // head), N_KV (KV heads), BLOCK_SIZE (tokens per pool block), PART (tokens per partition).
+// Everything stays in this body, and buffers are indexed by offsets rather than pointers,
+// because Metal binds small inputs in the constant address space.
 
 constexpr int WARPS = 4;
 constexpr int VEC = 8;
@@ -23,51 +29,65 @@ struct alignas(16) Chunk {
   T v[VEC];
 };
 
-const int row = blockIdx.x;
-const int kv_head = blockIdx.y;
-const int part = blockIdx.z;
-const int num_parts = gridDim.z;
-const int warp = threadIdx.x / 32;
-const int lane = threadIdx.x % 32;
+const int row = int(blockIdx.x);
+const int kv_head = int(blockIdx.y);
+const int part = int(blockIdx.z);
+const int num_parts = int(gridDim.z);
+const int warp = int(threadIdx.x) / 32;
+const int lane = int(threadIdx.x) % 32;
 const int slot = lane / LANES;
 const int dim0 = (lane % LANES) * VEC;
 
 const int len = row_len[row];
 const int begin = part * PART;
 const int end = min(begin + PART, len);
-const int* table = block_tables + (size_t)row_seq[row] * block_tables_shape[1];
-const float scale = rsqrtf((float)HEAD_DIM);
+const int table = row_seq[row] * block_tables_shape[1];
+const float scale = rsqrtf(float(HEAD_DIM));
 
 float qf[GROUP][VEC];
 float acc[GROUP][VEC];
 float m[GROUP];
 float l[GROUP];
 for (int g = 0; g < GROUP; ++g) {
-  const Chunk qv = *reinterpret_cast<const Chunk*>(
-      q + ((size_t)row * N_KV * GROUP + kv_head * GROUP + g) * HEAD_DIM + dim0);
+  const size_t q0 = (size_t(row) * N_KV * GROUP + kv_head * GROUP + g) * HEAD_DIM + dim0;
+  {
+    const Chunk chunk = *reinterpret_cast<const Chunk*>(q + q0);
+    for (int e = 0; e < VEC; ++e) {
+      qf[g][e] = float(chunk.v[e]);
+    }
+  }
   for (int e = 0; e < VEC; ++e) {
-    qf[g][e] = static_cast<float>(qv.v[e]) * scale;
+    qf[g][e] *= scale;
     acc[g][e] = 0.0f;
   }
   m[g] = MASKED;
   l[g] = 0.0f;
 }
 
-// The loop bound is the same for the whole warp, so every lane reaches every shuffle.
+// The loop bound is the same for the whole SIMD group, so every lane reaches every shuffle.
 for (int t0 = begin + warp * SLOTS; t0 < end; t0 += WARPS * SLOTS) {
   const int t = t0 + slot;
   const bool valid = t < end;
   size_t base = 0;
-  Chunk kc = {};
+  float kf[VEC];
+  for (int e = 0; e < VEC; ++e) {
+    kf[e] = 0.0f;
+  }
   if (valid) {
-    base = (((size_t)table[t / BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE) * N_KV + kv_head) * HEAD_DIM + dim0;
-    kc = *reinterpret_cast<const Chunk*>(k_cache + base);
+    const int block = block_tables[table + t / BLOCK_SIZE];
+    base = ((size_t(block) * BLOCK_SIZE + t % BLOCK_SIZE) * N_KV + kv_head) * HEAD_DIM + dim0;
+    {
+      const Chunk chunk = *reinterpret_cast<const Chunk*>(k_cache + base);
+      for (int e = 0; e < VEC; ++e) {
+        kf[e] = float(chunk.v[e]);
+      }
+    }
   }
   float s[GROUP];
   for (int g = 0; g < GROUP; ++g) {
     float dot = 0.0f;
     for (int e = 0; e < VEC; ++e) {
-      dot += qf[g][e] * static_cast<float>(kc.v[e]);
+      dot += qf[g][e] * kf[e];
     }
     for (int o = LANES / 2; o > 0; o /= 2) {
       dot += __shfl_xor_sync(FULL, dot, o);
@@ -75,21 +95,27 @@ for (int t0 = begin + warp * SLOTS; t0 < end; t0 += WARPS * SLOTS) {
     s[g] = dot;
   }
   if (valid) {
-    const Chunk vc = *reinterpret_cast<const Chunk*>(v_cache + base);
+    float vf[VEC];
+    {
+      const Chunk chunk = *reinterpret_cast<const Chunk*>(v_cache + base);
+      for (int e = 0; e < VEC; ++e) {
+        vf[e] = float(chunk.v[e]);
+      }
+    }
     for (int g = 0; g < GROUP; ++g) {
       const float m_new = fmaxf(m[g], s[g]);
       const float keep = expf(m[g] - m_new);
       const float p = expf(s[g] - m_new);
       l[g] = l[g] * keep + p;
       for (int e = 0; e < VEC; ++e) {
-        acc[g][e] = acc[g][e] * keep + p * static_cast<float>(vc.v[e]);
+        acc[g][e] = acc[g][e] * keep + p * vf[e];
       }
       m[g] = m_new;
     }
   }
 }
 
-// Merge the warp's lane groups: lanes that own the same dimensions, SLOTS apart.
+// Merge the SIMD group's lane groups: lanes that own the same dimensions, SLOTS apart.
 for (int o = LANES; o < 32; o *= 2) {
   for (int g = 0; g < GROUP; ++g) {
     const float m_other = __shfl_xor_sync(FULL, m[g], o);
@@ -122,7 +148,7 @@ if (slot == 0) {
 }
 __syncthreads();
 
-for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += WARPS * 32) {
+for (int i = int(threadIdx.x); i < GROUP * HEAD_DIM; i += WARPS * 32) {
   const int g = i / HEAD_DIM;
   const int d = i % HEAD_DIM;
   float mx_all = MASKED;
@@ -136,7 +162,7 @@ for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += WARPS * 32) {
     sum += warp_sum[w][g] * f;
     out += warp_acc[w][g][d] * f;
   }
-  const size_t o = ((size_t)row * N_KV * GROUP + kv_head * GROUP + g) * num_parts + part;
+  const size_t o = (size_t(row) * N_KV * GROUP + kv_head * GROUP + g) * num_parts + part;
   part_acc[o * HEAD_DIM + d] = out;
   if (d == 0) {
     part_max[o] = mx_all;

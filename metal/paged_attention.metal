@@ -1,18 +1,23 @@
-// Paged attention, pass 1 of 2 (Metal body for mx.fast.metal_kernel; twin of paged_attention.cu).
+// Metal body for mx.fast.metal_kernel, generated from paged_attention.kernel by
+// `python -m edgeserve.metal.codegen`: edit the template, not this file.
 //
-// One threadgroup per (query row, KV head, partition of the row's visible context). The row
-// attends to tokens [0, row_len) of its sequence, read from the pool through its block table;
-// a decode row sees its whole context, a prefill row sees the tokens up to its own position.
-// The threadgroup's 4 SIMD groups walk the partition's tokens: a SIMD group holds SLOTS tokens
-// at a time, each in a group of LANES lanes that own VEC elements of the head dimension apiece.
-// Every lane group keeps an online softmax (running max, running sum, unnormalised output) for
-// all GROUP query heads that share the KV head, so each K/V row is read once for the whole
-// group. The states are merged within the SIMD group by shuffles, then across SIMD groups in
-// threadgroup memory, and the partition's (max, sum, output) goes to pass 2.
+// Paged attention, pass 1 of 2.
+//
+// One threadgroup (CUDA: thread block) per (query row, KV head, partition of the row's visible
+// context). The row attends to tokens [0, row_len) of its sequence, read from the pool through
+// its block table; a decode row sees its whole context, a prefill row sees the tokens up to its
+// own position. The threadgroup's 4 SIMD groups (warps) walk the partition's tokens: a SIMD
+// group holds SLOTS tokens at a time, each in a group of LANES lanes that own VEC elements of
+// the head dimension apiece. Every lane group keeps an online softmax (running max, running
+// sum, unnormalised output) for all GROUP query heads that share the KV head, so each K/V row
+// is read once for the whole group. The states are merged within the SIMD group by shuffles,
+// then across SIMD groups in threadgroup (shared) memory, and the partition's (max, sum,
+// output) goes to pass 2, which merges the partitions.
 //
 // Template constants: T (element type of q and the pool), HEAD_DIM, GROUP (query heads per KV
 // head), N_KV (KV heads), BLOCK_SIZE (tokens per pool block), PART (tokens per partition).
-// Everything stays in this body because small inputs are bound in the constant address space.
+// Everything stays in this body, and buffers are indexed by offsets rather than pointers,
+// because Metal binds small inputs in the constant address space.
 
 constexpr int WARPS = 4;
 constexpr int VEC = 8;
@@ -42,7 +47,10 @@ float l[GROUP];
 for (int g = 0; g < GROUP; ++g) {
   const size_t q0 = (size_t(row) * N_KV * GROUP + kv_head * GROUP + g) * HEAD_DIM + dim0;
   for (int e = 0; e < VEC; ++e) {
-    qf[g][e] = float(q[q0 + e]) * scale;
+    qf[g][e] = float(q[q0 + e]);
+  }
+  for (int e = 0; e < VEC; ++e) {
+    qf[g][e] *= scale;
     acc[g][e] = 0.0f;
   }
   m[g] = MASKED;
@@ -71,8 +79,8 @@ for (int t0 = begin + warp * SLOTS; t0 < end; t0 += WARPS * SLOTS) {
     for (int e = 0; e < VEC; ++e) {
       dot += qf[g][e] * kf[e];
     }
-    for (ushort o = LANES / 2; o > 0; o /= 2) {
-      dot += simd_shuffle_xor(dot, o);
+    for (int o = LANES / 2; o > 0; o /= 2) {
+      dot += simd_shuffle_xor(dot, ushort(o));
     }
     s[g] = dot;
   }
@@ -95,16 +103,16 @@ for (int t0 = begin + warp * SLOTS; t0 < end; t0 += WARPS * SLOTS) {
 }
 
 // Merge the SIMD group's lane groups: lanes that own the same dimensions, SLOTS apart.
-for (ushort o = LANES; o < 32; o *= 2) {
+for (int o = LANES; o < 32; o *= 2) {
   for (int g = 0; g < GROUP; ++g) {
-    const float m_other = simd_shuffle_xor(m[g], o);
-    const float l_other = simd_shuffle_xor(l[g], o);
+    const float m_other = simd_shuffle_xor(m[g], ushort(o));
+    const float l_other = simd_shuffle_xor(l[g], ushort(o));
     const float m_new = metal::max(m[g], m_other);
     const float keep = metal::exp(m[g] - m_new);
     const float take = metal::exp(m_other - m_new);
     l[g] = l[g] * keep + l_other * take;
     for (int e = 0; e < VEC; ++e) {
-      const float a_other = simd_shuffle_xor(acc[g][e], o);
+      const float a_other = simd_shuffle_xor(acc[g][e], ushort(o));
       acc[g][e] = acc[g][e] * keep + a_other * take;
     }
     m[g] = m_new;

@@ -1,13 +1,16 @@
-// Paged attention, pass 2 of 2 (Metal body; twin of paged_attention_reduce.cu).
+// Metal body for mx.fast.metal_kernel, generated from paged_attention_reduce.kernel by
+// `python -m edgeserve.metal.codegen`: edit the template, not this file.
 //
-// One threadgroup per (query row, head), one thread per element of the head dimension: merge
-// the partitions' softmax states (max, sum, unnormalised output) into the normalised output.
-// Template constants: T (output element type), HEAD_DIM.
+// Paged attention, pass 2 of 2.
+//
+// One threadgroup (CUDA: thread block) per (query row, head), one thread per element of the
+// head dimension: merge the partitions' softmax states (max, sum, unnormalised output) into the
+// normalised output. Template constants: T (output element type), HEAD_DIM.
 
-const size_t row_head = threadgroup_position_in_grid.x;
-const int d = int(thread_position_in_threadgroup.x);
+const int row_head = int(threadgroup_position_in_grid.x);
+const int d = int(thread_index_in_threadgroup);
 const int parts = part_max_shape[2];
-const size_t first = row_head * parts;
+const size_t first = size_t(row_head) * parts;
 
 float mx_all = -1e30f;
 for (int p = 0; p < parts; ++p) {
@@ -20,4 +23,4 @@ for (int p = 0; p < parts; ++p) {
   sum += part_sum[first + p] * f;
   acc += part_acc[(first + p) * HEAD_DIM + d] * f;
 }
-out[row_head * HEAD_DIM + d] = static_cast<T>(acc / sum);
+out[size_t(row_head) * HEAD_DIM + d] = static_cast<T>(acc / sum);

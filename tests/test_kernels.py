@@ -9,11 +9,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from edgeserve.backends.numpy_backend import NumpyBackend
-from edgeserve.batch import Batch, random_paged_batch
+from edgeserve.batch import Batch
 from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.cli.main import cli
+from edgeserve.metal.launch_limits import (
+    MAX_THREADGROUP_MEMORY,
+    describe_attention,
+    threadgroup_memory,
+    unsupported_reason,
+)
 from edgeserve.sampling_params import SamplingParams
+from paged_cases import TOLERANCE, decode_only, random_case
 
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]')")
 
@@ -25,23 +34,6 @@ PLATFORM = kernel_platform()
 needs_gpu = pytest.mark.skipif(
     PLATFORM is None, reason="no Metal or CUDA GPU for MLX here: custom kernels not run (reference tested instead)"
 )
-# Max abs difference allowed against a float32 reference on the same inputs: the kernels
-# accumulate in float32, so what is left is the rounding of the output to its dtype.
-TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.6e-2}
-
-
-def random_case(seed: int, block_size: int, n_kv: int, group: int, head_dim: int, max_context: int = 2000):
-    """A ragged batch over a shuffled random pool: decode rows and prefill chunks, contexts 1..max_context."""
-    rng = np.random.default_rng(seed)
-    contexts = [1, max_context, *rng.integers(2, max_context, size=4).tolist()]
-    query_lens = [1 if i % 3 else min(c, int(rng.integers(2, 48))) for i, c in enumerate(contexts)]
-    contexts.append(700)  # a long chunk in mid-context: several query tiles in the NumPy backend
-    query_lens.append(300)
-    batch, num_blocks = random_paged_batch(contexts, query_lens, block_size, rng, spare_blocks=3)
-    q = rng.standard_normal((len(batch.positions), n_kv * group, head_dim)).astype(np.float32) * 3.0  # peaked softmax
-    k = rng.standard_normal((num_blocks, block_size, n_kv, head_dim)).astype(np.float32)
-    v = rng.standard_normal((num_blocks, block_size, n_kv, head_dim)).astype(np.float32)
-    return batch, q, k, v
 
 
 def numpy_attention(batch: Batch, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -67,7 +59,7 @@ def test_reference_matches_numpy(block_size, n_kv, group, head_dim):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("n_kv,group", [(4, 1), (3, 3), (2, 8)])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_kernel_matches_reference(dtype, block_size, n_kv, group, head_dim):
     batch, q, k, v = random_case(block_size * 100 + group * 10 + head_dim, block_size, n_kv, group, head_dim)
     dt = getattr(mx, dtype)
@@ -84,19 +76,8 @@ def test_kernel_matches_reference(dtype, block_size, n_kv, group, head_dim):
 def test_kernel_decode_only_batch_small_contexts():
     """Decode rows alone, contexts shorter than a block, and a batch smaller than the constant-buffer size."""
     batch, q, k, v = random_case(7, 16, 3, 3, 64, max_context=5)
-    rows = np.flatnonzero(batch.query_lens == 1)
-    keep = np.isin(np.repeat(np.arange(batch.num_seqs), batch.query_lens), rows)
-    decode = Batch(
-        token_ids=batch.token_ids[keep],
-        positions=batch.positions[keep],
-        slot_mapping=batch.slot_mapping[keep],
-        query_start=np.arange(len(rows) + 1),
-        context_lens=batch.context_lens[rows],
-        block_tables=batch.block_tables[rows],
-        logits_indices=batch.logits_indices,
-        block_size=batch.block_size,
-    )
-    q = mx.array(q[keep]).astype(mx.float16)
+    decode, q = decode_only(batch, q)
+    q = mx.array(q).astype(mx.float16)
     k, v = mx.array(k).astype(mx.float16), mx.array(v).astype(mx.float16)
     got = kernel_paged_attention(q, k, v, prepare_kernel(decode), PLATFORM)
     with mx.stream(mx.cpu):
@@ -127,3 +108,26 @@ def test_greedy_output_same_with_kernel_and_reference(loaded_model, monkeypatch)
     reference_name, with_reference = generate("reference")
     assert (kernel_name, reference_name) == (f"{PLATFORM}-kernel", "mlx-reference")
     assert with_kernel == with_reference
+
+
+def test_threadgroup_memory_over_the_apple_limit_takes_the_reference():
+    """16 query heads per KV head at head dim 128 need 33,280 B of threadgroup memory, over Apple's 32 KB."""
+    assert threadgroup_memory(16, 128) == 33_280 > MAX_THREADGROUP_MEMORY
+    assert "33,280 bytes of threadgroup memory" in unsupported_reason(128, 16, 1)
+    assert unsupported_reason(128, 8, 1) is None and unsupported_reason(256, 4, 1) is None  # Gemma 3 1B: 4 / 1 x 256
+    assert "head dim 96" in unsupported_reason(96, 4, 1)
+    batch, q, k, v = random_case(3, 16, 1, 16, 128, max_context=200, long_chunk=(100, 20))
+    q, k, v = mx.array(q), mx.array(k), mx.array(v)
+    # The Metal kernel cannot launch on this machine: a result at all means the reference ran.
+    got = kernel_paged_attention(q, k, v, prepare_kernel(batch), "metal")
+    want = reference_paged_attention(q, k, v, prepare_reference(batch))
+    assert mx.array_equal(got, want)
+
+
+def test_info_says_whether_the_kernels_fit(model_path):
+    assert describe_attention("metal-kernel", 64, 9, 3) == "metal-kernel"
+    assert describe_attention("cuda-kernel", 96, 8, 8).startswith("mlx-reference (cuda-kernel does not fit: head dim 96")
+    assert describe_attention("numpy", 128, 16, 1).startswith("numpy (GPU kernels: reference path, 16 query heads")
+    result = CliRunner().invoke(cli, ["info", str(model_path), "--backend", "numpy"])  # 9 heads / 3 KV x 64
+    assert result.exit_code == 0, result.output
+    assert "attention  numpy (GPU kernels: fit this model)" in result.output

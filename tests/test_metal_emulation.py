@@ -1,0 +1,157 @@
+"""The Metal kernels run on the CPU: the generated Metal body inside the exact signature
+mx.fast.metal_kernel writes, compiled against a C++ shim with SIMD groups in lock-step, through
+the same host code as on a Mac, against the plain-MLX reference; and bugs planted in the body
+(a wrong merge bound, a missing barrier, an off-by-one partition end, a lane that skips a
+shuffle or a barrier, a constant buffer used as a device one) are caught. Also: the checked-in
+Metal and CUDA sources are what their templates give."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+
+import pytest
+
+from edgeserve.metal import codegen
+from paged_cases import TOLERANCE, decode_only, random_case
+
+mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]')")
+
+from edgeserve.metal.emulator import EmulationError, compiler, metal_kernel  # noqa: E402
+from edgeserve.metal.kernels import launch, make_kernels, partition_size, prepare_kernel  # noqa: E402
+from edgeserve.metal.reference import prepare_reference, reference_paged_attention  # noqa: E402
+
+# CI always runs the emulation: there a missing compiler fails the tests rather than skipping them.
+pytestmark = pytest.mark.skipif(
+    not os.environ.get("CI") and (compiler() is None or not sys.platform.startswith("linux")),
+    reason="the emulation needs a C++20 compiler and an ELF linker (Linux)",
+)
+
+
+def test_generated_sources_are_what_the_templates_give():
+    assert codegen.stale() == [], "run `python -m edgeserve.metal.codegen` after editing a .kernel template"
+
+
+@pytest.mark.parametrize("template", codegen.TEMPLATES)
+@pytest.mark.parametrize("target", ["metal", "cuda"])
+def test_every_macro_is_expanded(template, target):
+    macros, _, _ = codegen.TARGETS[target]
+    text = codegen.generate(template, target)
+    assert not re.search(r"\b(" + "|".join(macros) + r")\b", text)
+    assert ("simd_shuffle_xor" in text or "threadgroup_position_in_grid" in text) == (target == "metal")
+
+
+def case(dtype: str, block_size: int, n_kv: int, group: int, head_dim: int, decode: bool):
+    """A ragged batch of decode rows and prefill chunks (or its decode rows alone), contexts up to 300."""
+    batch, q, k, v = random_case(block_size * 100 + group * 10 + head_dim, block_size, n_kv, group, head_dim,
+                                 max_context=300, long_chunk=(200, 24))
+    if decode:
+        batch, q = decode_only(batch, q)
+    dt = getattr(mx, dtype)
+    return batch, *(mx.array(a).astype(dt) for a in (q, k, v))
+
+
+def emulate(batch, q, k, v, plant: dict[str, tuple[str, str]] | None = None) -> mx.array:
+    """Both passes through the emulated Metal kernels; `plant` maps a kernel name to (text, replacement)."""
+
+    def make(*, name: str, source: str, **names):
+        if plant and name in plant:
+            text, replacement = plant[name]
+            assert text in source, f"{text!r} is no longer in {name}: plant the bug elsewhere"
+            source = source.replace(text, replacement)
+        return metal_kernel(name=name, source=source, **names)
+
+    return launch(*make_kernels(make, "metal"), q, k, v, prepare_kernel(batch))
+
+
+def max_error(batch, q, k, v, got: mx.array) -> float:
+    want = reference_paged_attention(*(a.astype(mx.float32) for a in (q, k, v)), prepare_reference(batch))
+    return mx.abs(got.astype(mx.float32) - want).max().item()
+
+
+@pytest.mark.parametrize(
+    "dtype,block_size,n_kv,group,head_dim,decode",
+    [
+        ("float32", 16, 3, 3, 64, False),  # SmolLM2's shape
+        ("float16", 8, 2, 8, 128, False),
+        ("bfloat16", 32, 4, 1, 64, False),
+        ("float16", 16, 1, 4, 256, False),  # Gemma 3 1B's shape
+        ("bfloat16", 16, 2, 4, 128, True),
+        ("float32", 8, 1, 1, 64, True),
+    ],
+)
+def test_emulated_metal_kernel_matches_reference(dtype, block_size, n_kv, group, head_dim, decode):
+    batch, q, k, v = case(dtype, block_size, n_kv, group, head_dim, decode)
+    max_len = int(batch.positions.max()) + 1
+    assert math.ceil(max_len / partition_size(q.shape[0], n_kv, max_len)) >= 2, "the case should span partitions"
+    got = emulate(batch, q, k, v)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    diff = max_error(batch, q, k, v, got)
+    assert diff <= TOLERANCE[dtype], f"max abs diff {diff} over {TOLERANCE[dtype]}"
+
+
+def test_small_inputs_bound_in_constant_memory():
+    """Fewer than 8 rows: row_seq, row_len and the block tables are `constant` buffers, as on a Mac."""
+    batch, q, k, v = random_case(7, 16, 3, 3, 64, max_context=5, long_chunk=(4, 2))
+    batch, q = decode_only(batch, q)
+    q, k, v = (mx.array(a).astype(mx.float16) for a in (q, k, v))
+    meta = prepare_kernel(batch)
+    partition, _ = make_kernels(metal_kernel, "metal")
+    source = partition.metal_source(
+        [q, k, v, meta.block_tables, meta.row_seq, meta.row_len], [mx.float32] * 3,
+        [("T", mx.float16), ("HEAD_DIM", 64), ("GROUP", 3), ("N_KV", 3), ("BLOCK_SIZE", 16), ("PART", 64)],
+    )
+    for name in ("block_tables", "row_seq", "row_len"):
+        assert f"const constant int32_t* {name} [[buffer(" in source
+    assert "const device float16_t* q [[buffer(0)]]" in source
+    diff = max_error(batch, q, k, v, emulate(batch, q, k, v))
+    assert diff <= TOLERANCE["float16"]
+
+
+BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+WRONG_RESULTS = {
+    "wrong merge bound": ("edgeserve_paged_attention", "for (int o = LANES; o < 32; o *= 2)", "for (int o = LANES; o < 16; o *= 2)"),
+    "partitions merged short": ("edgeserve_paged_attention_reduce", "for (int p = 0; p < parts; ++p) {\n  const float f",
+                                "for (int p = 0; p < parts - 1; ++p) {\n  const float f"),
+    "missing barrier": ("edgeserve_paged_attention", BARRIER, ""),
+    "off-by-one partition end": ("edgeserve_paged_attention", "min(begin + PART, len)", "min(begin + PART - 1, len)"),
+}
+
+
+@pytest.mark.parametrize("bug", WRONG_RESULTS)
+def test_planted_bug_gives_wrong_results(bug):
+    name, text, replacement = WRONG_RESULTS[bug]
+    batch, q, k, v = case("float32", 16, 3, 3, 64, decode=True)
+    diff = max_error(batch, q, k, v, emulate(batch, q, k, v, {name: (text, replacement)}))
+    assert not diff <= TOLERANCE["float32"], f"{bug}: max abs diff {diff} passes"  # NaN fails too
+
+
+DIVERGENT = {
+    "a lane skips a shuffle": ("dot += simd_shuffle_xor(dot, ushort(o));",
+                               "if (lane != 5) {\n  dot += simd_shuffle_xor(dot, ushort(o));\n}",
+                               r"lane 5\) .*shuffle"),
+    "a SIMD group skips the barrier": (BARRIER, f"if (warp != 2) {{\n  {BARRIER}\n}}",
+                                       r"SIMD group 2, lane 0\) finished while its threadgroup waits at a barrier"),
+}
+
+
+@pytest.mark.parametrize("bug", DIVERGENT)
+def test_planted_divergence_aborts(bug):
+    text, replacement, message = DIVERGENT[bug]
+    batch, q, k, v = case("float16", 16, 3, 3, 64, decode=True)
+    with pytest.raises(EmulationError, match=message):
+        emulate(batch, q, k, v, {"edgeserve_paged_attention": (text, replacement)})
+
+
+def test_constant_buffer_cannot_pass_as_a_device_pointer():
+    """As in Metal: the same body compiles while row_len is a device buffer, not once it is constant."""
+    plant = {"edgeserve_paged_attention": ("const int len = row_len[row];",
+                                           "const device int* lens = row_len;\nconst int len = lens[row];")}
+    batch, q, k, v = case("float32", 16, 3, 3, 64, decode=False)
+    assert max_error(batch, q, k, v, emulate(batch, q, k, v, plant)) <= TOLERANCE["float32"]
+    batch, q, k, v = random_case(7, 16, 3, 3, 64, max_context=5, long_chunk=(4, 2))
+    batch, q = decode_only(batch, q)
+    with pytest.raises(EmulationError, match="did not compile"):
+        emulate(batch, *(mx.array(a) for a in (q, k, v)), plant)
