@@ -17,6 +17,7 @@ from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.conversation import Conversation
 from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import SamplingParams
+from edgeserve.units import format_size
 
 KV_STATES = ("free", "cached", "used", "shared")
 
@@ -48,6 +49,11 @@ class ReplyStats:
             cached = f" ({self.cached_tokens} cached)" if self.cached_tokens is not None else ""
             parts.append(f"prompt {self.prompt_tokens}{cached}")
         return " · ".join(parts)
+
+    def brief(self) -> str:
+        """The summary short enough for a narrow session's border."""
+        ttft = f" · TTFT {self.ttft * 1000:.0f} ms" if self.ttft is not None else ""
+        return f"{self.output_tokens} tok · {self.tokens_per_second:.1f} tok/s{ttft}"
 
 
 @dataclass
@@ -314,3 +320,26 @@ class RemoteClient(ChatClient):
             waiting=None if waiting is None else int(waiting),
             tokens_per_second=metrics.get("edgeserve_generation_tokens_per_second", self._client_tokens_per_second()),
             block_size=kv[0] if kv else None, kv_blocks=kv[1] if kv else None)
+
+
+async def stats_report(client: ChatClient, conversation: Conversation, last: ReplyStats | None) -> list[str]:
+    """The lines /stats shows: the conversation, its settings, the engine behind the client, the last answer."""
+    size = f"{len(conversation.turns)} messages"
+    if conversation.messages() and (tokens := client.count_tokens(conversation.messages())) is not None:
+        size += f", {tokens} of {client.context_tokens} context tokens"
+    lines = [f"conversation: {size}; system prompt: {conversation.system or '(the model default)'}"]
+    params = conversation.sampling_params()
+    lines.append(f"settings: temperature={params.temperature}, top_p={params.top_p}, "
+                 f"max_tokens={params.max_tokens} (/set changes them)")
+    st = await client.status()
+    if st.kv_blocks is not None:
+        counts = {s: sum(b.state == s for b in st.kv_blocks) for s in ("used", "shared", "cached", "free")}
+        lines.append(f"KV pool: {len(st.kv_blocks)} blocks of {st.block_size} tokens: "
+                     + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    if st.prefix_hit_rate is not None:
+        lines.append(f"prefix cache hit rate: {100 * st.prefix_hit_rate:.0f}%")
+    if st.memory_bytes is not None:
+        lines.append(f"memory: {format_size(st.memory_bytes)} (weights and KV pool)")
+    if last is not None:
+        lines.append(f"last answer: {last.summary()}")
+    return lines

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from edgeserve.engine.async_engine import AsyncEngine
-from edgeserve.cli.chat_clients import ChatClient, EngineClient, ReplyChunk, ReplyStats
+from edgeserve.cli.chat_clients import ChatClient, EngineClient, ReplyChunk, ReplyStats, stats_report
 from edgeserve.cli.chat_turn import Turn
 from edgeserve.cli.feedback import PromptSpinner, stderr_console
 from edgeserve.cli.markdown_stream import MarkdownStream
@@ -24,7 +24,6 @@ from edgeserve.config import EngineConfig
 from edgeserve.cli.conversation import COMMANDS, Conversation
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import home
-from edgeserve.units import format_size
 
 PROMPT = ">>> "
 INPUT_HELP = [
@@ -136,26 +135,7 @@ class ChatRepl:
             self.console.print(f"  [bold]{escape(key.ljust(width))}[/bold]  {escape(text)}")
 
     async def show_stats(self) -> None:
-        conv = self.conversation
-        size = f"{len(conv.turns)} messages"
-        if conv.messages() and (tokens := self.client.count_tokens(conv.messages())) is not None:
-            size += f", {tokens} of {self.client.context_tokens} context tokens"
-        lines = [f"conversation: {size}; system prompt: {conv.system or '(the model default)'}"]
-        params = conv.sampling_params()
-        lines.append(f"settings: temperature={params.temperature}, top_p={params.top_p}, "
-                     f"max_tokens={params.max_tokens} (/set changes them)")
-        st = await self.client.status()
-        if st.kv_blocks is not None:
-            counts = {s: sum(b.state == s for b in st.kv_blocks) for s in ("used", "shared", "cached", "free")}
-            lines.append(f"KV pool: {len(st.kv_blocks)} blocks of {st.block_size} tokens: "
-                         + ", ".join(f"{n} {s}" for s, n in counts.items()))
-        if st.prefix_hit_rate is not None:
-            lines.append(f"prefix cache hit rate: {100 * st.prefix_hit_rate:.0f}%")
-        if st.memory_bytes is not None:
-            lines.append(f"memory: {format_size(st.memory_bytes)} (weights and KV pool)")
-        if self.last is not None:
-            lines.append(f"last answer: {self.last.summary()}")
-        for line in lines:
+        for line in await stats_report(self.client, self.conversation, self.last):
             self.console.print(escape(line))
 
     async def answer(self, text: str) -> None:

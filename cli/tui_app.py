@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+from rich.markdown import Markdown
+from rich.table import Table
 from rich.text import Text
+from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Container, Horizontal, Vertical, VerticalScroll
@@ -13,21 +16,26 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Header, Input, Static
 from textual.worker import Worker
 
-from edgeserve.cli.chat_clients import ChatClient, ReplyChunk, ReplyStats
+from edgeserve.cli.chat_clients import ChatClient, ReplyChunk, ReplyStats, stats_report
 from edgeserve.cli.chat_turn import Turn
-from edgeserve.cli.tui_panels import StatusPanel
+from edgeserve.cli.feedback import prompt_note
+from edgeserve.cli.tui_panels import PANEL_WIDTH, StatusPanel
 from edgeserve.cli.conversation import COMMANDS, Conversation
 from edgeserve.errors import EdgeserveError
 
 SESSION_COLOURS = ["#e06c75", "#61afef", "#98c379", "#e5c07b", "#c678dd", "#56b6c2", "#d19a66", "#be5046"]
 MAX_COLUMNS = 3  # more sessions than this wrap onto another row
+MIN_SESSION_WIDTH = 38  # columns a session needs to stay readable; fewer, and sessions wrap onto rows
+WIDE = 120  # columns from which the engine panel shows beside the sessions, unless F2 says otherwise
+NARROW_SESSION = 60  # below this width a session's border shows the short form of its answer's figures
 KEYS = [
     ("Ctrl+N", "open a new session"),
     ("Ctrl+W", "close the current session (stops its answer)"),
     ("Esc", "stop the current session's answer"),
     ("Tab / Shift+Tab", "next / previous session"),
     ("Enter", "send the message"),
-    ("F1 or ?", "this help"),
+    ("F2", f"show or hide the engine panel (hidden by itself below {WIDE} columns)"),
+    ("? or F1", "this help (? on an empty input line)"),
     ("Ctrl+Q", "quit"),
 ]
 
@@ -35,25 +43,39 @@ KEYS = [
 class HelpScreen(ModalScreen):
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
-    HelpScreen > Static { width: 84; height: auto; border: round $primary; padding: 1 2; background: $surface; }
+    HelpScreen > VerticalScroll { width: 90; max-width: 100%; height: auto; max-height: 100%;
+                                  border: round $primary; background: $surface; }
+    HelpScreen Static { padding: 0 1 1 1; }
     """
     BINDINGS = [Binding("escape,f1,q,question_mark", "app.pop_screen", "Close")]
+    NOTE = ("Each session keeps its own history, system prompt and settings (/set temperature 0.2). The KV map "
+            "shows each pool block (or, in a large pool, each few blocks: the legend says how many): the colour of "
+            "the session holding it, shared blocks (a prefix two sequences have in common), blocks cached for "
+            "reuse, and free blocks. Esc closes this help.")
 
     def compose(self) -> ComposeResult:
-        text = Text()
-        text.append("Keys\n", "bold")
-        for key, what in KEYS:
-            text.append(f"  {key:<18}", "bold")
-            text.append(f"{what}\n")
-        text.append("\nCommands (type them in a session)\n", "bold")
-        for usage, what in COMMANDS:
-            text.append(f"  {usage:<18}", "bold")
-            text.append(f"{what}\n")
-        text.append("\nEach session keeps its own history, system prompt and settings (/set temperature 0.2).\n"
-                    "The KV map shows each pool block: the colour of the session holding it, shared blocks\n"
-                    "(a prefix two sequences have in common), blocks cached for reuse, and free blocks.\n"
-                    "Esc closes this help.", "dim")
-        yield Static(text)
+        yield VerticalScroll(Static(self.table("Keys", KEYS)),
+                             Static(self.table("Commands (type them in a session)", COMMANDS)),
+                             Static(Text(self.NOTE, "dim")))
+
+    @staticmethod
+    def table(title: str, rows: list[tuple[str, str]]) -> Table:
+        """Two columns that wrap apart, however narrow the screen."""
+        table = Table(title=title, title_style="bold", title_justify="left", box=None, show_header=False)
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column()
+        for key, what in rows:
+            table.add_row(key, what)
+        return table
+
+
+class MessageInput(Input):
+    """The input line of a session: `?` on an empty line opens the help rather than typing itself."""
+
+    def check_consume_key(self, key: str, character: str | None) -> bool:
+        if character == "?" and not self.value:
+            return False  # left to the app's `?` binding
+        return super().check_consume_key(key, character)
 
 
 class SessionPane(Vertical):
@@ -78,6 +100,7 @@ class SessionPane(Vertical):
         self.request_id: str | None = None  # of the answer now streaming
         self.worker: Worker | None = None
         self.streamed_tokens = 0
+        self.prompt_tokens: int | None = None  # of the answer now streaming, where the client can count them
         self.last_stats: ReplyStats | None = None
 
     @property
@@ -92,7 +115,7 @@ class SessionPane(Vertical):
         transcript = VerticalScroll(classes="transcript")
         transcript.can_focus = False  # Tab moves between the sessions' inputs
         yield transcript
-        yield Input(placeholder="Message, or /help")
+        yield MessageInput(placeholder="Message, /help, or ? for keys")
 
     def on_mount(self) -> None:
         self.styles.border_title_color = self.colour
@@ -102,15 +125,18 @@ class SessionPane(Vertical):
         params = self.conversation.sampling_params()
         state = "idle"
         if self.answering:
-            state = f"answering · {self.streamed_tokens} tokens"
+            state = f"answering · {self.streamed_tokens} tokens" if self.streamed_tokens else prompt_note(self.prompt_tokens)
         elif self.last_stats is not None:
-            state = self.last_stats.summary()
+            state = self.last_stats.summary() if self.size.width >= NARROW_SESSION else self.last_stats.brief()
         self.border_title = f"● {self.title} · t={params.temperature:g}"
         self.border_subtitle = state
 
+    def on_resize(self, event: events.Resize) -> None:
+        self.update_title()
+
     def add_line(self, text: str, kind: str) -> Static:
-        """Append to the transcript; kind is a message role, "note" or "error"."""
-        line = Static(Text(text), classes=kind)
+        """Append to the transcript; kind is a message role, "note" or "error". Answers are Markdown."""
+        line = Static(Markdown(text) if kind == "assistant" else Text(text), classes=kind)
         if kind == "assistant":
             line.styles.color = self.colour
         transcript = self.query_one(".transcript", VerticalScroll)
@@ -147,8 +173,7 @@ class SessionPane(Vertical):
         if outcome.action == "help":
             self.app.action_help()
         elif outcome.action == "stats":
-            last = f"; last answer: {self.last_stats.summary()}" if self.last_stats else ""
-            self.add_line(f"{len(self.conversation.turns)} messages{last}", "note")
+            self.run_worker(self._show_stats(), exit_on_error=False)
         elif outcome.action == "exit":
             self.app.close_session(self)
         self.update_title()
@@ -160,6 +185,14 @@ class SessionPane(Vertical):
         self.add_line(text, "user")
         self.worker = self.run_worker(self._answer(text), exit_on_error=False)
         self.update_title()
+
+    async def _show_stats(self) -> None:
+        try:
+            lines = await stats_report(self.app.client, self.conversation, self.last_stats)
+        except EdgeserveError as exc:
+            self.add_line(str(exc), "error")
+        else:
+            self.add_line("\n".join(lines), "note")
 
     def stop(self) -> None:
         """Stop the answer now streaming; the client aborts the request and frees its KV blocks."""
@@ -179,12 +212,14 @@ class SessionPane(Vertical):
         def show(chunk: ReplyChunk) -> None:
             self.streamed_tokens = chunk.output_tokens
             if chunk.text:
-                reply.update(Text(turn.text))
+                reply.update(Markdown(turn.text))
                 self.query_one(".transcript", VerticalScroll).scroll_end(animate=False)
                 self.update_title()
 
         self.streamed_tokens = 0
+        self.prompt_tokens = self.app.client.count_tokens(self.conversation.messages())
         self.request_id = f"session{self.number}-{next(self._request_numbers)}"
+        self.update_title()
         try:
             self.last_stats = await turn.answer(self.request_id, show) or self.last_stats
         except EdgeserveError as exc:
@@ -199,6 +234,13 @@ class SessionPane(Vertical):
                 self.call_later(self.update_title)
 
 
+class Workspace(Horizontal):
+    """The sessions and the engine panel, laid out afresh whenever the screen's size changes."""
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.app.layout_sessions()
+
+
 class EdgeserveApp(App):
     """Several chat sessions side by side, all streaming at once through one client, and the engine's live state."""
 
@@ -211,10 +253,12 @@ class EdgeserveApp(App):
         # Ctrl+N reaches the app after the focused input has seen the keys typed before it; Ctrl+W
         # must jump that queue (priority), as the input would take it for "delete a word"
         Binding("ctrl+n", "new_session", "New session"),
-        Binding("ctrl+w", "close_session", "Close session", priority=True),
-        Binding("escape", "stop_answer", "Stop answer"),
-        Binding("f1", "help", "Help"),
-        Binding("question_mark", "help", "Help", show=False),
+        Binding("ctrl+w", "close_session", "Close", priority=True),
+        Binding("escape", "stop_answer", "Stop"),
+        Binding("f2", "toggle_panel", "Engine"),
+        # priority, to come before the input line, which gives `?` up only while empty (MessageInput)
+        Binding("question_mark", "help", "Help", key_display="?", priority=True),
+        Binding("f1", "help", "Help", show=False),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
@@ -228,6 +272,7 @@ class EdgeserveApp(App):
         self.refresh_interval = refresh_interval
         self.status_panel = StatusPanel(client.model_name, client.runs_on, self.colour_of, id="status")
         self.startup_error: str | None = None
+        self.panel_wanted: bool | None = None  # F2's choice; None: by the width of the screen
         self._numbers = itertools.count(1)
 
     @property
@@ -236,10 +281,10 @@ class EdgeserveApp(App):
 
     def compose(self) -> ComposeResult:
         yield Header()
-        with Horizontal(id="main"):
+        with Workspace(id="main"):
             yield Container(id="sessions")
             yield self.status_panel
-        yield Footer()
+        yield Footer(show_command_palette=False)
 
     async def on_mount(self) -> None:
         try:
@@ -273,15 +318,27 @@ class EdgeserveApp(App):
             focused = focused.parent
         return focused if isinstance(focused, SessionPane) else None
 
-    def _layout_sessions(self) -> None:
-        self.query_one("#sessions").styles.grid_size_columns = max(1, min(len(self.sessions), MAX_COLUMNS))
+    @property
+    def panel_shown(self) -> bool:
+        return self.panel_wanted if self.panel_wanted is not None else self.size.width >= WIDE
+
+    def action_toggle_panel(self) -> None:
+        self.panel_wanted = not self.panel_shown
+        self.layout_sessions()
+
+    def layout_sessions(self) -> None:
+        """Show or hide the engine panel, and put as many sessions side by side as stay readable."""
+        self.status_panel.display = self.panel_shown
+        room = self.size.width - (PANEL_WIDTH if self.panel_shown else 0)
+        fit = max(1, room // MIN_SESSION_WIDTH)
+        self.query_one("#sessions").styles.grid_size_columns = max(1, min(len(self.sessions), MAX_COLUMNS, fit))
 
     async def action_new_session(self) -> SessionPane:
         number = next(self._numbers)
         pane = SessionPane(number, SESSION_COLOURS[(number - 1) % len(SESSION_COLOURS)],
                            Conversation(self.system, [], dict(self.settings)))
         await self.query_one("#sessions").mount(pane)
-        self._layout_sessions()
+        self.layout_sessions()
         pane.query_one(Input).focus()
         return pane
 
@@ -290,7 +347,7 @@ class EdgeserveApp(App):
         sessions = self.sessions
         following = sessions[(sessions.index(pane) + 1) % len(sessions)] if len(sessions) > 1 else None
         pane.remove()
-        self.call_after_refresh(self._layout_sessions)
+        self.call_after_refresh(self.layout_sessions)
         if following is not None:
             following.query_one(Input).focus()
 
@@ -305,5 +362,8 @@ class EdgeserveApp(App):
             pane.stop()
 
     def action_help(self) -> None:
-        if not isinstance(self.screen, HelpScreen):
+        """Open the help, or close it (`?` reaches the app first, even over the help)."""
+        if isinstance(self.screen, HelpScreen):
+            self.pop_screen()
+        else:
             self.push_screen(HelpScreen())

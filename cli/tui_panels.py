@@ -18,6 +18,7 @@ from edgeserve.units import format_size
 GLYPHS = {"used": "█", "shared": "▓", "cached": "░", "free": "·"}
 _RANK = {"free": 0, "cached": 1, "used": 2, "shared": 3}  # which block a cell shows when it stands for several
 OTHER_OWNER = "white"  # a request of no session here (another client of the server)
+PANEL_WIDTH = 44
 
 ColourOf = Callable[[str], "str | None"]
 
@@ -40,6 +41,10 @@ class KVMap(Widget):
         """The request ids holding blocks in the latest map."""
         return {o for b in self.blocks or [] for o in b.owners}
 
+    def blocks_per_cell(self) -> int:
+        """How many blocks one cell stands for, so that the whole pool fits the widget."""
+        return max(1, ceil(len(self.blocks or []) / (max(1, self.size.width) * max(1, self.size.height))))
+
     def _cell(self, group: list[KVBlock]) -> tuple[str, str]:
         block = max(group, key=lambda b: _RANK[b.state])
         if block.state in ("used", "shared"):
@@ -50,8 +55,7 @@ class KVMap(Widget):
     def render(self) -> Text:
         if self.blocks is None:
             return Text("no KV map: the server does not publish one", style="dim")
-        width, height = max(1, self.size.width), max(1, self.size.height)
-        per_cell = max(1, ceil(len(self.blocks) / (width * height)))
+        width, per_cell = max(1, self.size.width), self.blocks_per_cell()
         cells = [self._cell(self.blocks[i:i + per_cell]) for i in range(0, len(self.blocks), per_cell)]
         text = Text(no_wrap=True)
         for i, (glyph, style) in enumerate(cells):
@@ -65,11 +69,11 @@ class StatusPanel(Vertical):
     """Model, backend and memory; running and waiting sequences, batch size, tokens/s; the KV map."""
 
     DEFAULT_CSS = """
-    StatusPanel { width: 44; border: round $primary; padding: 0 1; }
+    StatusPanel { width: %d; border: round $primary; padding: 0 1; }
     StatusPanel > #figures { height: auto; }
     StatusPanel > #kv-title { height: auto; margin-top: 1; text-style: bold; }
     StatusPanel > #kv-legend { height: auto; }
-    """
+    """ % PANEL_WIDTH
 
     def __init__(self, model: str, runs_on: str, colour_of: ColourOf, **kwargs: object):
         super().__init__(**kwargs)
@@ -79,16 +83,13 @@ class StatusPanel(Vertical):
         self.figures = Static(id="figures")
         self.kv_title = Static("KV pool", id="kv-title")
         self.kv_map = KVMap(colour_of, id="kv-map")
+        self.kv_legend = Static(id="kv-legend")
 
     def compose(self) -> ComposeResult:
         yield self.figures
         yield self.kv_title
         yield self.kv_map
-        legend = Text()
-        for state in ("used", "shared", "cached", "free"):
-            legend.append(f"{GLYPHS[state]} {state}  ", "grey50" if state in ("cached", "free") else "bold")
-        legend.append("\ncolour: the session holding the block", "dim")
-        yield Static(legend, id="kv-legend")
+        yield self.kv_legend
 
     def on_mount(self) -> None:
         self.border_title = "engine"
@@ -117,3 +118,15 @@ class StatusPanel(Vertical):
                       + "  ".join(f"{n} {s}" for s, n in counts.items()))
         self.kv_title.update(Text(title))
         self.kv_map.show(status.kv_blocks)
+        self.kv_legend.update(self.legend())
+
+    def legend(self) -> Text:
+        """What the glyphs mean, and how many blocks (of how many tokens) one cell stands for."""
+        text = Text()
+        for state in ("used", "shared", "cached", "free"):
+            text.append(f"{GLYPHS[state]} {state}  ", "grey50" if state in ("cached", "free") else "bold")
+        per_cell = self.kv_map.blocks_per_cell()
+        size = f" of {self.status.block_size} tokens" if self.status.block_size else ""
+        text.append(f"\none cell: {per_cell} block{'s' if per_cell > 1 else ''}{size}", "dim")
+        text.append("\ncolour: the session holding the block", "dim")
+        return text

@@ -43,6 +43,11 @@ def tui(client, max_tokens: int, ignore_eos: bool = False) -> EdgeserveApp:
     return EdgeserveApp(client, settings=settings, refresh_interval=0.05)
 
 
+def screen_text(app) -> str:
+    """What the app's screen shows now, as text."""
+    return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+
+
 async def wait_until(pilot, condition: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + TIMEOUT
     while not condition():
@@ -148,7 +153,7 @@ async def test_each_session_keeps_its_own_settings_and_the_help_lists_the_keys(a
 
         await pilot.press("f1")
         assert isinstance(app.screen, HelpScreen)
-        help_text = str(app.screen.query_one("Static").render())
+        help_text = screen_text(app)
         assert all(key in help_text for key in ("Ctrl+N", "Ctrl+W", "Esc", "/system", "/set"))
         await pilot.press("escape")
         assert not isinstance(app.screen, HelpScreen)
