@@ -157,8 +157,9 @@ class Constraints:
         if pending is None:
             return
         rows, bitmask = pending.result()
-        allowed = np.unpackbits(bitmask[rows].view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
-        logits[rows] = np.where(allowed.astype(bool), logits[rows], np.float32(MASKED_LOGIT))
+        forbidden = np.unpackbits(~bitmask[rows].view(np.uint8), axis=1, bitorder="little").view(bool)
+        for row, mask in zip(rows, forbidden):
+            np.copyto(logits[row], MASKED_LOGIT, where=mask[: logits.shape[1]])
 
     def accept(self, seq: Sequence, token: int) -> bool:
         """Advance seq's grammar by its sampled token; True when the grammar is complete.
