@@ -27,7 +27,8 @@ def discover_packages() -> list[str]:
 UNIX = sys.platform != "win32"
 QMATMUL = Extension(
     "edgeserve.backends._qmatmul",
-    sources=["edgeserve/backends/_qmatmul.c", "edgeserve/backends/_cpu_ops.c"],
+    sources=["edgeserve/backends/_qmatmul.c", "edgeserve/backends/_cpu_ops.c",
+             "edgeserve/backends/_decoder.c"],
     depends=["edgeserve/backends/_qmatmul.h"],
     extra_compile_args=["-O3", "-std=c11", "-pthread"] if UNIX else ["/O2"],
     extra_link_args=["-pthread"] if UNIX else [],

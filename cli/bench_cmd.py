@@ -94,6 +94,10 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
         req = workloads.uniform_workload(tok, 1, 512, 128, seed)
         r = workloads.run_engine(LLMEngine(loaded, config), req, "single stream").summary()
         r["prefill_tokens_per_s"] = round(512 / r["ttft_p50_s"], 1)
+        # llama-bench's tg128 decodes from an empty context: a one-token prompt here is the same work
+        req = workloads.uniform_workload(tok, 1, 1, 128, seed)
+        empty = workloads.run_engine(LLMEngine(loaded, config), req, "single stream, empty context").summary()
+        r["decode_empty_context_tokens_per_s"] = empty["decode_tokens_per_s"]
         results["single"] = r
     if workload in ("mixed", "all"):
         requests = workloads.mixed_workload(tok, num_requests, seed, max_output=max_output)

@@ -68,6 +68,7 @@ typedef struct {
     const AttItem *items;
     Py_ssize_t q_row, bt_row; /* elements between rows of q and of block_tables */
     int H, hd, bs, n_kv, slot_floats;
+    int window; /* a row sees its last `window` keys only (sliding-window layers); 0: all of them */
     float scale;
 } AttTask;
 
@@ -365,6 +366,9 @@ static int grow(void **p, size_t *cap, size_t need, size_t elem) {
     return 0;
 }
 
+/* A row's first key: where its window starts (so the cut into ranges depends on the row alone), else 0. */
+INLINE int64_t att_first(const AttTask *t, int64_t len) { return t->window > 0 && len > t->window ? len - t->window : 0; }
+
 /* Plans the items of a call and runs them; returns -1 when out of memory. */
 static int run_attention(AttTask *t, const int64_t *lens, int D) {
     const int group = t->H / t->n_kv;
@@ -372,7 +376,7 @@ static int run_attention(AttTask *t, const int64_t *lens, int D) {
     const int64_t split = ATT_SPLIT;
     size_t n_items = 0, n_slots = 0;
     for (int s = 0; s < D; s++) {
-        int64_t ns = (lens[s] + split - 1) / split;
+        int64_t ns = (lens[s] - att_first(t, lens[s]) + split - 1) / split;
         n_items += (size_t)ns * t->n_kv * subs;
         if (ns > 1) n_slots += (size_t)ns * t->n_kv * subs;
     }
@@ -383,7 +387,7 @@ static int run_attention(AttTask *t, const int64_t *lens, int D) {
     size_t n = 0;
     int slot = 0;
     for (int s = 0; s < D; s++) {
-        int len = (int)lens[s], ns = (int)((len + split - 1) / split);
+        int len = (int)lens[s], first = (int)att_first(t, lens[s]), ns = (int)((len - first + split - 1) / split);
         if (len == 0) memset(t->out + (size_t)s * t->H * t->hd, 0, sizeof(float) * t->H * t->hd);
         for (int kv = 0; kv < t->n_kv; kv++)
             for (int h = 0; h < group; h += sub)
@@ -393,8 +397,8 @@ static int run_attention(AttTask *t, const int64_t *lens, int D) {
                     it->kv = kv;
                     it->h0 = kv * group + h;
                     it->nh = group - h < sub ? group - h : sub;
-                    it->t0 = (int)(k * split);
-                    it->t1 = (int)((k + 1) * split < len ? (k + 1) * split : len);
+                    it->t0 = (int)(first + k * split);
+                    it->t1 = (int)(first + (k + 1) * split < len ? first + (k + 1) * split : len);
                     it->slot = ns > 1 ? slot++ : -1;
                 }
     }
@@ -536,7 +540,56 @@ static void run_ops(OpsTask *t, qm_item_fn fn, size_t row_floats) {
     if (t->rows > 0) qm_parallel((int)((t->rows + per - 1) / per), fn, t);
 }
 
+/* ---- the C-level ops (see _qmatmul.h), called with qm_call_lock held ---- */
+
+int qm_bad_table_row(const int64_t *block_tables, Py_ssize_t bt_row, Py_ssize_t bt_cols, const int64_t *lens, int D,
+                     int bs, Py_ssize_t blocks) {
+    for (int s = 0; s < D; s++) {
+        const int64_t len = lens[s], used = (len + bs - 1) / bs;
+        if (len < 0 || used > bt_cols) return s;
+        for (int64_t b = 0; b < used; b++) {
+            const int64_t id = block_tables[(size_t)s * bt_row + b];
+            if (id < 0 || id >= blocks) return s;
+        }
+    }
+    return -1;
+}
+
+int qm_attention(const float *q, Py_ssize_t q_row, const float *k, const float *v, int bs, int n_kv,
+                 const int64_t *block_tables, Py_ssize_t bt_row, const int64_t *lens, int D, int H, int hd,
+                 float scale, float *out) {
+    AttTask t = {.q = q, .k = k, .v = v, .bt = block_tables, .out = out, .q_row = q_row, .bt_row = bt_row,
+                 .H = H, .hd = hd, .bs = bs, .n_kv = n_kv, .scale = scale};
+    return run_attention(&t, lens, D);
+}
+
+void qm_rms_norm(const float *x, Py_ssize_t x_row, const float *w, float *out, Py_ssize_t out_row, int rows, int cols,
+                 float eps) {
+    OpsTask t = {.x = x, .w = w, .out = out, .x_row = x_row, .out_row = out_row, .rows = rows, .cols = cols, .eps = eps};
+    run_ops(&t, OPS_PICK(rms_norm), (size_t)cols);
+}
+
+void qm_rope(const float *x, Py_ssize_t x_row, const float *cos, const float *sin, float *out, int rows, int heads,
+             int hd) {
+    OpsTask t = {.x = x, .cos = cos, .sin = sin, .out = out, .x_row = x_row, .out_row = (Py_ssize_t)heads * hd,
+                 .rows = rows, .heads = heads, .cols = hd};
+    run_ops(&t, OPS_PICK(rope), (size_t)heads * hd);
+}
+
+void qm_silu_mul(const float *x, Py_ssize_t x_row, float *out, Py_ssize_t out_row, int rows, int cols) {
+    OpsTask t = {.x = x, .out = out, .x_row = x_row, .out_row = out_row, .rows = rows, .cols = cols};
+    run_ops(&t, OPS_PICK(silu_mul), (size_t)cols);
+}
+
 /* ---- Python entry points ---- */
+
+/* Runs stmt on the pool, with the GIL released. */
+#define WITH_POOL(stmt)                        \
+    Py_BEGIN_ALLOW_THREADS                     \
+    pthread_mutex_lock(&qm_call_lock);         \
+    stmt;                                      \
+    pthread_mutex_unlock(&qm_call_lock);       \
+    Py_END_ALLOW_THREADS
 
 typedef struct {
     Py_buffer b[6];
@@ -556,9 +609,9 @@ static Py_buffer *take(Buffers *bs, PyObject *o, int writable) {
     return b;
 }
 
-static int is_f32(const Py_buffer *b) { return b->itemsize == 4 && b->format && !strcmp(b->format, "f"); }
+int qm_is_f32(const Py_buffer *b) { return b->itemsize == 4 && b->format && !strcmp(b->format, "f"); }
 
-static int is_i64(const Py_buffer *b) {
+int qm_is_i64(const Py_buffer *b) {
     if (b->itemsize != 8 || !b->format) return 0;
     const char *f = b->format;
     if (*f == '<' || *f == '=' || *f == '@') f++;
@@ -580,18 +633,25 @@ static Py_ssize_t row_stride(const Py_buffer *b) {
     return b->strides[0] % b->itemsize || b->strides[0] < 0 ? -1 : b->strides[0] / b->itemsize;
 }
 
-/* attention(q, k_cache, v_cache, block_tables, context_lens, out, scale) -> bool
+/* attention(q, k_cache, v_cache, block_tables, context_lens, out, scale[, window]) -> bool
    q float32 [D, H, hd] (rows at any stride, heads contiguous); pools float32 [blocks, bs, n_kv, hd]
    C-contiguous; block_tables int64 [D, max_blocks]; context_lens int64 [D]; out float32 [D, H, hd]
-   C-contiguous. Raises on block ids or lengths outside the pool. */
+   C-contiguous; window > 0: each row attends to its last `window` keys only. Raises on block ids or
+   lengths outside the pool. */
 PyObject *qm_py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "attention takes 7 arguments");
+    if (nargs != 7 && nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "attention takes 7 or 8 arguments");
         return NULL;
     }
     double scale = PyFloat_AsDouble(args[6]);
     if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    long window = nargs == 8 ? PyLong_AsLong(args[7]) : 0;
+    if (window == -1 && PyErr_Occurred()) return NULL;
+    if (window < 0 || window > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "attention: window must be 0 (none) or a positive int");
+        return NULL;
+    }
     Buffers bs = {.n = 0};
     Py_buffer *q, *k, *v, *bt, *cl, *o;
     if (!(q = take(&bs, args[0], 0)) || !(k = take(&bs, args[1], 0)) || !(v = take(&bs, args[2], 0)) ||
@@ -600,7 +660,7 @@ PyObject *qm_py_attention(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     int ok = q->ndim == 3 && k->ndim == 4 && v->ndim == 4 && bt->ndim == 2 && cl->ndim == 1 && o->ndim == 3 &&
-             is_f32(q) && is_f32(k) && is_f32(v) && is_f32(o) && is_i64(bt) && is_i64(cl);
+             qm_is_f32(q) && qm_is_f32(k) && qm_is_f32(v) && qm_is_f32(o) && qm_is_i64(bt) && qm_is_i64(cl);
     if (ok) {
         Py_ssize_t D = q->shape[0], H = q->shape[1], hd = q->shape[2];
         ok = hd > 0 && hd <= ATT_MAX_HD && k->shape[3] == hd && k->shape[2] > 0 && H % k->shape[2] == 0 &&
@@ -613,33 +673,21 @@ PyObject *qm_py_attention(PyObject *self, PyObject *const *args, Py_ssize_t narg
         release(&bs);
         Py_RETURN_FALSE;
     }
-    AttTask t = {
-        .q = (const float *)q->buf, .k = (const float *)k->buf, .v = (const float *)v->buf,
-        .bt = (const int64_t *)bt->buf, .out = (float *)o->buf, .q_row = row_stride(q), .bt_row = row_stride(bt),
-        .H = (int)q->shape[1], .hd = (int)q->shape[2], .bs = (int)k->shape[1], .n_kv = (int)k->shape[2],
-        .scale = (float)scale,
-    };
-    const int64_t *lens = (const int64_t *)cl->buf;
-    int D = (int)q->shape[0];
-    for (int s = 0; s < D; s++) {
-        int64_t len = lens[s];
-        int bad = len < 0 || (len + t.bs - 1) / t.bs > bt->shape[1];
-        for (int64_t b = 0; !bad && b < (len + t.bs - 1) / t.bs; b++) {
-            int64_t id = t.bt[(size_t)s * t.bt_row + b];
-            bad = id < 0 || id >= k->shape[0];
-        }
-        if (bad) {
-            release(&bs);
-            PyErr_Format(PyExc_ValueError, "attention: row %d's context length or block ids fall outside the pool", s);
-            return NULL;
-        }
+    const int64_t *lens = (const int64_t *)cl->buf, *table = (const int64_t *)bt->buf;
+    const int D = (int)q->shape[0], bsz = (int)k->shape[1];
+    const Py_ssize_t bt_row = row_stride(bt);
+    const int bad = qm_bad_table_row(table, bt_row, bt->shape[1], lens, D, bsz, k->shape[0]);
+    if (bad >= 0) {
+        release(&bs);
+        PyErr_Format(PyExc_ValueError, "attention: row %d's context length or block ids fall outside the pool", bad);
+        return NULL;
     }
     int err;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&qm_call_lock);
-    err = run_attention(&t, lens, D);
-    pthread_mutex_unlock(&qm_call_lock);
-    Py_END_ALLOW_THREADS
+    AttTask t = {.q = (const float *)q->buf, .k = (const float *)k->buf, .v = (const float *)v->buf, .bt = table,
+                 .out = (float *)o->buf, .q_row = row_stride(q), .bt_row = bt_row, .H = (int)q->shape[1],
+                 .hd = (int)q->shape[2], .bs = bsz, .n_kv = (int)k->shape[2], .window = (int)window,
+                 .scale = (float)scale};
+    WITH_POOL(err = run_attention(&t, lens, D));
     release(&bs);
     if (err) return PyErr_NoMemory();
     Py_RETURN_TRUE;
@@ -647,18 +695,8 @@ PyObject *qm_py_attention(PyObject *self, PyObject *const *args, Py_ssize_t narg
 
 /* Rows of a 2-D float32 buffer: unit column stride, rows at any whole stride. */
 static int rows_ok(const Py_buffer *b, Py_ssize_t rows, Py_ssize_t cols) {
-    return b->ndim == 2 && is_f32(b) && b->shape[0] == rows && b->shape[1] == cols &&
+    return b->ndim == 2 && qm_is_f32(b) && b->shape[0] == rows && b->shape[1] == cols &&
            (cols <= 1 || b->strides[1] == 4) && row_stride(b) >= 0;
-}
-
-static PyObject *run_op(OpsTask *t, Buffers *bs, qm_item_fn fn, size_t row_floats) {
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&qm_call_lock);
-    run_ops(t, fn, row_floats);
-    pthread_mutex_unlock(&qm_call_lock);
-    Py_END_ALLOW_THREADS
-    release(bs);
-    Py_RETURN_TRUE;
 }
 
 /* rms_norm(x, w, out, eps) -> bool: out = x / sqrt(mean(x^2) + eps) * w for x, out float32 [R, K]. */
@@ -677,14 +715,14 @@ PyObject *qm_py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     if (x->ndim != 2 || !rows_ok(x, x->shape[0], x->shape[1]) || !rows_ok(o, x->shape[0], x->shape[1]) ||
-        w->ndim != 1 || !is_f32(w) || w->shape[0] != x->shape[1] || (w->shape[0] > 1 && w->strides[0] != 4)) {
+        w->ndim != 1 || !qm_is_f32(w) || w->shape[0] != x->shape[1] || (w->shape[0] > 1 && w->strides[0] != 4)) {
         release(&bs);
         Py_RETURN_FALSE;
     }
-    OpsTask t = {.x = (const float *)x->buf, .w = (const float *)w->buf, .out = (float *)o->buf,
-                 .x_row = row_stride(x), .out_row = row_stride(o), .rows = (int)x->shape[0], .cols = (int)x->shape[1],
-                 .eps = (float)eps};
-    return run_op(&t, &bs, OPS_PICK(rms_norm), (size_t)t.cols);
+    WITH_POOL(qm_rms_norm((const float *)x->buf, row_stride(x), (const float *)w->buf, (float *)o->buf, row_stride(o),
+                          (int)x->shape[0], (int)x->shape[1], (float)eps));
+    release(&bs);
+    Py_RETURN_TRUE;
 }
 
 /* rope(x, cos, sin, out) -> bool: rotate-half RoPE of x float32 [T, H, hd] (rows at any stride,
@@ -702,7 +740,7 @@ PyObject *qm_py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         release(&bs);
         return NULL;
     }
-    int ok = x->ndim == 3 && o->ndim == 3 && is_f32(x) && is_f32(o) && is_f32(c) && is_f32(s) && c_contiguous(c) &&
+    int ok = x->ndim == 3 && o->ndim == 3 && qm_is_f32(x) && qm_is_f32(o) && qm_is_f32(c) && qm_is_f32(s) && c_contiguous(c) &&
              c_contiguous(s) && c_contiguous(o);
     if (ok) {
         Py_ssize_t T = x->shape[0], H = x->shape[1], hd = x->shape[2];
@@ -713,10 +751,10 @@ PyObject *qm_py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         release(&bs);
         Py_RETURN_FALSE;
     }
-    OpsTask t = {.x = (const float *)x->buf, .cos = (const float *)c->buf, .sin = (const float *)s->buf,
-                 .out = (float *)o->buf, .x_row = row_stride(x), .out_row = x->shape[1] * x->shape[2],
-                 .rows = (int)x->shape[0], .heads = (int)x->shape[1], .cols = (int)x->shape[2]};
-    return run_op(&t, &bs, OPS_PICK(rope), (size_t)t.heads * t.cols);
+    WITH_POOL(qm_rope((const float *)x->buf, row_stride(x), (const float *)c->buf, (const float *)s->buf,
+                      (float *)o->buf, (int)x->shape[0], (int)x->shape[1], (int)x->shape[2]));
+    release(&bs);
+    Py_RETURN_TRUE;
 }
 
 /* silu_mul(gate_up, out) -> bool: out = silu(gate) * up for gate_up float32 [R, 2F], out [R, F]. */
@@ -737,9 +775,10 @@ PyObject *qm_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         release(&bs);
         Py_RETURN_FALSE;
     }
-    OpsTask t = {.x = (const float *)x->buf, .out = (float *)o->buf, .x_row = row_stride(x), .out_row = row_stride(o),
-                 .rows = (int)x->shape[0], .cols = (int)x->shape[1] / 2};
-    return run_op(&t, &bs, OPS_PICK(silu_mul), (size_t)t.cols);
+    WITH_POOL(qm_silu_mul((const float *)x->buf, row_stride(x), (float *)o->buf, row_stride(o), (int)x->shape[0],
+                          (int)x->shape[1] / 2));
+    release(&bs);
+    Py_RETURN_TRUE;
 }
 
 /* write_kv(cache, values, slots) -> bool: cache rows `slots` (of its [blocks * block_size] rows
@@ -757,7 +796,7 @@ PyObject *qm_py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         release(&bs);
         return NULL;
     }
-    int ok = c->ndim == 4 && x->ndim == 3 && sl->ndim == 1 && is_f32(c) && is_f32(x) && is_i64(sl) && c_contiguous(c) &&
+    int ok = c->ndim == 4 && x->ndim == 3 && sl->ndim == 1 && qm_is_f32(c) && qm_is_f32(x) && qm_is_i64(sl) && c_contiguous(c) &&
              c_contiguous(sl) && x->shape[0] == sl->shape[0] && x->shape[1] == c->shape[2] && x->shape[2] == c->shape[3] &&
              x->strides[2] == 4 && x->strides[1] == 4 * x->shape[2] && row_stride(x) >= 0;
     const int64_t *slots = (const int64_t *)sl->buf;

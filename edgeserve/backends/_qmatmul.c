@@ -593,6 +593,66 @@ static int get_buf(PyObject *o, Py_buffer *b, int writable) {
     return PyObject_GetBuffer(o, b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_STRIDES | PyBUF_FORMAT);
 }
 
+/* Fills m from gemm's weight arguments (w, scales, biases, N, bits, group, f16[, hi, hbits, sc, m]:
+   7 or 11 objects) for inputs of K columns, holding their buffers in held[*nheld...] (at most 6);
+   -1 with an error set when they do not fit together. */
+int qm_matrix_parse(PyObject *const *a, int n, Py_ssize_t K, QmMatrix *m, Py_buffer *held, int *nheld) {
+    if (n != 7 && n != 11) {
+        PyErr_SetString(PyExc_TypeError, "a packed matrix takes 7 or 11 arguments");
+        return -1;
+    }
+    const int kq = n == 11;
+    long N = PyLong_AsLong(a[3]), bits = PyLong_AsLong(a[4]), group = PyLong_AsLong(a[5]);
+    long hbits = kq ? PyLong_AsLong(a[8]) : 0;
+    int f16 = PyObject_IsTrue(a[6]);
+    if (PyErr_Occurred()) return -1;
+    /* w, scales, biases, then for K-quants sc, m and hi */
+    PyObject *src[6] = {a[0], a[1], a[2], kq ? a[9] : NULL, kq ? a[10] : NULL, kq && hbits ? a[7] : NULL};
+    int count = kq ? (hbits ? 6 : 5) : 3;
+    Py_buffer *b = held + *nheld;
+    for (int i = 0; i < count; i++) {
+        if (get_buf(src[i], &b[i], 0) < 0) return -1;
+        (*nheld)++;
+    }
+    if (N < 0 || (bits != 4 && bits != 8) || group <= 0 || K % group ||
+        (kq ? bits != 4 || hbits < 0 || hbits > 2 || (group != 16 && group != 32) || K % 256 : group % 32)) {
+        PyErr_SetString(PyExc_ValueError, "gemm: bad shapes, strides or parameters");
+        return -1;
+    }
+    int panels = (int)((N + PANEL - 1) / PANEL);
+    size_t need_w = (size_t)panels * K * bits / 8;
+    size_t need_s = (size_t)panels * (K / (kq ? 256 : group)) * PANEL * (f16 ? 2 : 4);
+    size_t need_k = (size_t)panels * (K / group) * PANEL, need_h = (size_t)panels * K * hbits / 8;
+    if ((size_t)b[0].len < need_w || (size_t)b[1].len < need_s || (size_t)b[2].len < need_s ||
+        (kq && ((size_t)b[3].len < need_k || (size_t)b[4].len < need_k || (hbits && (size_t)b[5].len < need_h)))) {
+        PyErr_SetString(PyExc_ValueError, "gemm: packed weight buffers too small for the shape");
+        return -1;
+    }
+    *m = (QmMatrix){
+        .w = (const uint32_t *)b[0].buf, .scales = b[1].buf, .biases = b[2].buf,
+        .ksc = kq ? (const int8_t *)b[3].buf : NULL, .km = kq ? (const int8_t *)b[4].buf : NULL,
+        .hw = hbits ? (const uint32_t *)b[5].buf : NULL,
+        .N = (int)N, .K = (int)K, .bits = (int)bits, .group = (int)group, .f16 = f16, .kq = kq, .hbits = (int)hbits,
+    };
+    return 0;
+}
+
+int qm_gemm(const QmMatrix *m, const float *x, int R, float *out, Py_ssize_t ldo) {
+    const int K = m->K, G = m->group;
+    if (reserve((size_t)R * K, (size_t)R * (K / G)) < 0) return -1;
+    if (R <= 0 || m->N <= 0) return 0;
+    float *xd = g_xd, *xs = g_xd + (size_t)R * (K / G);
+    quantize_rows(x, R, K, G, g_xq, xd, xs);
+    Task *t = &g_task;
+    *t = (Task){
+        .w = m->w, .scales = m->scales, .biases = m->biases, .xq = g_xq, .xd = xd, .xs = xs, .out = out, .ldo = ldo,
+        .R = R, .K = K, .N = m->N, .bits = m->bits, .group = G, .f16 = m->f16, .hw = m->hw, .ksc = m->ksc,
+        .km = m->km, .hbits = m->hbits, .kq = m->kq, .panels = (m->N + PANEL - 1) / PANEL,
+    };
+    run_task();
+    return 0;
+}
+
 /* gemm(x, w, scales, biases, out, N, bits, group, f16[, hi, hbits, sc, m]): out[:, :N] = x @ W.T.
    x float32 [R, K] C-contiguous; out float32 [R, >=N] with unit column stride. With the four
    extra arguments the segment is a K-quant one: scales and biases are d and dmin, sc and m the
@@ -603,80 +663,34 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_SetString(PyExc_TypeError, "gemm takes 9 or 13 arguments");
         return NULL;
     }
-    const int kq = nargs == 13;
-    long N = PyLong_AsLong(args[5]), bits = PyLong_AsLong(args[6]), group = PyLong_AsLong(args[7]);
-    long hbits = kq ? PyLong_AsLong(args[10]) : 0;
-    int f16 = PyObject_IsTrue(args[8]);
-    if (PyErr_Occurred()) return NULL;
-    /* x, w, scales, biases, out, then for K-quants sc, m and hi */
     Py_buffer b[8];
-    PyObject *src[8] = {args[0], args[1], args[2], args[3], args[4], NULL, NULL, NULL};
-    int n = 5;
-    if (kq) {
-        src[n++] = args[11];
-        src[n++] = args[12];
-        if (hbits) src[n++] = args[9];
+    int held = 0, err = 0;
+    QmMatrix m;
+    PyObject *wargs[11] = {args[1], args[2], args[3]};
+    for (int i = 5; i < nargs; i++) wargs[i - 2] = args[i];
+    if (get_buf(args[0], &b[held], 0) < 0) goto fail;
+    held++;
+    if (get_buf(args[4], &b[held], 1) < 0) goto fail;
+    held++;
+    Py_buffer *bx = &b[0], *bo = &b[1];
+    if (bx->ndim != 2 || strcmp(bx->format, "f") || bx->strides[1] != 4 || bx->strides[0] != bx->shape[1] * 4) {
+        PyErr_SetString(PyExc_ValueError, "gemm: bad shapes, strides or parameters");
+        goto fail;
     }
-    int held = 0;
-    for (; held < n; held++)
-        if (get_buf(src[held], &b[held], held == 4) < 0) goto fail;
-    {
-        Py_buffer *bx = &b[0], *bo = &b[4];
-        if (bx->ndim != 2 || strcmp(bx->format, "f") || strcmp(bo->format, "f") || bx->strides[1] != 4 ||
-            bx->strides[0] != bx->shape[1] * 4 || bo->ndim != 2 || bo->itemsize != 4 || bo->strides[1] != 4 ||
-            bo->shape[0] != bx->shape[0] || bo->shape[1] < N || (bits != 4 && bits != 8) || bx->shape[1] % group ||
-            (kq ? bits != 4 || hbits < 0 || hbits > 2 || (group != 16 && group != 32) || bx->shape[1] % 256
-                : group % 32)) {
-            PyErr_SetString(PyExc_ValueError, "gemm: bad shapes, strides or parameters");
-            goto fail;
-        }
-        int R = (int)bx->shape[0], K = (int)bx->shape[1];
-        int panels = (int)((N + PANEL - 1) / PANEL);
-        size_t need_w = (size_t)panels * K * bits / 8;
-        size_t need_s = (size_t)panels * (K / (kq ? 256 : group)) * PANEL * (f16 ? 2 : 4);
-        size_t need_k = (size_t)panels * (K / group) * PANEL, need_h = (size_t)panels * K * hbits / 8;
-        if ((size_t)b[1].len < need_w || (size_t)b[2].len < need_s || (size_t)b[3].len < need_s ||
-            (kq && ((size_t)b[5].len < need_k || (size_t)b[6].len < need_k || (hbits && (size_t)b[7].len < need_h)))) {
-            PyErr_SetString(PyExc_ValueError, "gemm: packed weight buffers too small for the shape");
-            goto fail;
-        }
-        int err = 0;
-        Py_BEGIN_ALLOW_THREADS
-        pthread_mutex_lock(&qm_call_lock);
-        if (reserve((size_t)R * K, (size_t)R * (K / group)) < 0) {
-            err = 1;
-        } else if (R > 0 && N > 0) {
-            float *xd = g_xd, *xs = g_xd + (size_t)R * (K / group);
-            quantize_rows((const float *)bx->buf, R, K, (int)group, g_xq, xd, xs);
-            Task *t = &g_task;
-            t->w = (const uint32_t *)b[1].buf;
-            t->scales = b[2].buf;
-            t->biases = b[3].buf;
-            t->xq = g_xq;
-            t->xd = xd;
-            t->xs = xs;
-            t->out = (float *)bo->buf;
-            t->ldo = bo->strides[0] / 4;
-            t->R = R;
-            t->K = K;
-            t->N = (int)N;
-            t->bits = (int)bits;
-            t->group = (int)group;
-            t->f16 = f16;
-            t->kq = kq;
-            t->ksc = kq ? (const int8_t *)b[5].buf : NULL;
-            t->km = kq ? (const int8_t *)b[6].buf : NULL;
-            t->hbits = (int)hbits;
-            t->hw = hbits ? (const uint32_t *)b[7].buf : NULL;
-            t->panels = panels;
-            run_task();
-        }
-        pthread_mutex_unlock(&qm_call_lock);
-        Py_END_ALLOW_THREADS
-        if (err) {
-            PyErr_NoMemory();
-            goto fail;
-        }
+    if (qm_matrix_parse(wargs, (int)nargs - 2, bx->shape[1], &m, b, &held) < 0) goto fail;
+    if (strcmp(bo->format, "f") || bo->ndim != 2 || bo->itemsize != 4 || bo->strides[1] != 4 ||
+        bo->shape[0] != bx->shape[0] || bo->shape[1] < m.N) {
+        PyErr_SetString(PyExc_ValueError, "gemm: bad shapes, strides or parameters");
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&qm_call_lock);
+    err = qm_gemm(&m, (const float *)bx->buf, (int)bx->shape[0], (float *)bo->buf, bo->strides[0] / 4);
+    pthread_mutex_unlock(&qm_call_lock);
+    Py_END_ALLOW_THREADS
+    if (err) {
+        PyErr_NoMemory();
+        goto fail;
     }
     while (held > 0) PyBuffer_Release(&b[--held]);
     Py_RETURN_NONE;
@@ -783,6 +797,10 @@ static PyMethodDef methods[] = {
     {"rope", (PyCFunction)(void (*)(void))qm_py_rope, METH_FASTCALL, "rope(x, cos, sin, out) -> whether it ran"},
     {"silu_mul", (PyCFunction)(void (*)(void))qm_py_silu_mul, METH_FASTCALL, "silu_mul(gate_up, out) -> whether it ran"},
     {"write_kv", (PyCFunction)(void (*)(void))qm_py_write_kv, METH_FASTCALL, "write_kv(cache, values, slots) -> whether it ran"},
+    {"decoder_plan", (PyCFunction)(void (*)(void))qm_py_decoder_plan, METH_FASTCALL,
+     "decoder_plan(hidden, n_heads, n_kv_heads, head_dim, intermediate, eps, layers) -> plan"},
+    {"decoder_run", (PyCFunction)(void (*)(void))qm_py_decoder_run, METH_FASTCALL,
+     "decoder_run(plan, h, k_pools, v_pools, cos, sin, slots, block_tables, context_lens): every layer, h in place"},
     {"set_isa", py_set_isa, METH_O, "Pick a code path by name, or None for the best one; returns its name."},
     {"isa", py_isa, METH_NOARGS, "The code path in use."},
     {NULL, NULL, 0, NULL},

@@ -6,6 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include <stdint.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #define QM_X86 1
@@ -27,10 +28,55 @@ int qm_threads(void);
 /* The code path chosen (by CPU features or set_isa): 2 AVX-512, 1 AVX2, 0 portable C. */
 int qm_isa_level(void);
 
+/* A packed weight matrix [N, K] as qmatmul.prepare lays it out (see _qmatmul.c). */
+typedef struct {
+    const uint32_t *w;
+    const void *scales, *biases;  /* float16 or float32; d and dmin for K-quants */
+    const uint32_t *hw;           /* K-quants' high-bit plane, or NULL */
+    const int8_t *ksc, *km;       /* K-quants' int8 group scales and mins, or NULL */
+    int N, K, bits, group, f16, kq, hbits;
+} QmMatrix;
+
+/* Fills m from gemm's weight arguments (7 or 11 objects), holding their buffers in held from
+   index *nheld on (6 at most); -1 with a Python error set when they do not fit together. */
+int qm_matrix_parse(PyObject *const *args, int n, Py_ssize_t K, QmMatrix *m, Py_buffer *held, int *nheld);
+
+/* The C-level ops behind the Python entry points, for callers that chain them (_decoder.c); each
+   runs on the pool, with qm_call_lock held. Rows are `*_row` floats apart. */
+
+/* out[:, :N] = x @ W.T for x [R, K] C-contiguous; -1 when out of memory. */
+int qm_gemm(const QmMatrix *m, const float *x, int R, float *out, Py_ssize_t ldo);
+
+/* Attention of D query rows q [D, H, hd] over the pools [blocks, bs, n_kv, hd], row s seeing
+   lens[s] keys through block_tables row s; out [D, H, hd] C-contiguous. -1 when out of memory. */
+int qm_attention(const float *q, Py_ssize_t q_row, const float *k, const float *v, int bs, int n_kv,
+                 const int64_t *block_tables, Py_ssize_t bt_row, const int64_t *lens, int D, int H, int hd,
+                 float scale, float *out);
+
+/* Whether a buffer holds float32 / int64 elements. */
+int qm_is_f32(const Py_buffer *b);
+int qm_is_i64(const Py_buffer *b);
+
+/* The first row whose length or block ids fall outside a pool of `blocks` blocks of bs keys, or -1. */
+int qm_bad_table_row(const int64_t *block_tables, Py_ssize_t bt_row, Py_ssize_t bt_cols, const int64_t *lens, int D,
+                     int bs, Py_ssize_t blocks);
+
+void qm_rms_norm(const float *x, Py_ssize_t x_row, const float *w, float *out, Py_ssize_t out_row, int rows, int cols,
+                 float eps);
+
+/* Heads x [rows, heads, hd] (heads contiguous) into out [rows, heads, hd] C-contiguous; cos, sin [rows, hd / 2]. */
+void qm_rope(const float *x, Py_ssize_t x_row, const float *cos, const float *sin, float *out, int rows, int heads,
+             int hd);
+
+/* silu(gate) * up for x = gate | up [rows, 2 * cols] into out [rows, cols]. */
+void qm_silu_mul(const float *x, Py_ssize_t x_row, float *out, Py_ssize_t out_row, int rows, int cols);
+
 PyObject *qm_py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *qm_py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *qm_py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *qm_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *qm_py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *qm_py_decoder_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *qm_py_decoder_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

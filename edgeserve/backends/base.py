@@ -9,6 +9,7 @@ those objects back to the backend that made them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, Union, runtime_checkable
 
 import numpy as np
@@ -62,6 +63,11 @@ class Backend(Protocol):
         """RoPE for positions below max_positions at the given inverse frequencies."""
         ...
 
+    def fuse_blocks(self, layers: list[Any], eps: float) -> Callable[[Array, Any, StepMeta], Array] | None:
+        """All of a model's plain Llama blocks (`models.llama.Layer`) as one call (h, kv_pool, meta) -> h,
+        where the backend has one; None: the model runs its blocks one op at a time."""
+        ...
+
     # one step: a ragged batch of decode tokens and prefill chunks -----------------------------
 
     def batch_meta(self, batch: Batch, rope: RopeTables) -> StepMeta:
@@ -93,8 +99,22 @@ class Backend(Protocol):
         """silu(gate) * up of [T, 2 * n] laid out as gate then up: [T, n]."""
         ...
 
-    def paged_attention(self, q: Array, k_cache: Array, v_cache: Array, meta: StepMeta) -> Array:
-        """Causal attention of q [T, heads, head_dim] over each row's sequence in the pool."""
+    def gelu_tanh_mul(self, gate_up: Array) -> Array:
+        """gelu(gate) * up, GELU in its tanh approximation, of [T, 2 * n] laid out as gate then up: [T, n]."""
+        ...
+
+    def soft_cap(self, x: Array, cap: float) -> Array:
+        """cap * tanh(x / cap), elementwise."""
+        ...
+
+    def with_rope(self, meta: StepMeta, rope: RopeTables) -> StepMeta:
+        """The step's meta with `apply_rope` at other tables (a model whose layers differ in RoPE base)."""
+        ...
+
+    def paged_attention(self, q: Array, k_cache: Array, v_cache: Array, meta: StepMeta,
+                        window: int | None = None) -> Array:
+        """Causal attention of q [T, heads, head_dim] over each row's sequence in the pool; with a
+        window, each row sees only its last `window` keys (itself included), as sliding-window layers do."""
         ...
 
     def to_numpy(self, x: Array) -> np.ndarray:

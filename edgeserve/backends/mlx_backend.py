@@ -7,10 +7,12 @@ float32 on the CPU, where MLX has no fast half-precision arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from edgeserve.batch import Batch
@@ -141,6 +143,9 @@ class MLXBackend:
                 fused.append(np.concatenate([np.asarray(p, dtype=np.float32) for p in group]))
         return Linear([self._weight(w) for w in fused])
 
+    def fuse_blocks(self, layers: list[Any], eps: float) -> None:
+        return None  # MLX evaluates the step's graph lazily, so its per-op calls cost little
+
     def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> mx.array:
         return mx.array((1.0 / inv_freq).astype(np.float32))
 
@@ -190,6 +195,16 @@ class MLXBackend:
         g, u = mx.split(gate_up, 2, axis=-1)
         return g * mx.sigmoid(g) * u
 
+    def gelu_tanh_mul(self, gate_up: mx.array) -> mx.array:
+        g, u = mx.split(gate_up, 2, axis=-1)
+        return nn.gelu_approx(g) * u
+
+    def soft_cap(self, x: mx.array, cap: float) -> mx.array:
+        return mx.tanh(x / cap) * cap
+
+    def with_rope(self, meta: MLXMeta, rope: mx.array) -> MLXMeta:
+        return dataclasses.replace(meta, freqs=rope)
+
     # the KV pool --------------------------------------------------------------
 
     def allocate_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> mx.array:
@@ -215,8 +230,9 @@ class MLXBackend:
         self._written = []
         return np.array(x)
 
-    def paged_attention(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: MLXMeta) -> mx.array:
-        return self.attention.run(q, k_cache, v_cache, meta.attention)
+    def paged_attention(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: MLXMeta,
+                        window: int | None = None) -> mx.array:
+        return self.attention.run(q, k_cache, v_cache, meta.attention, window)
 
 
 def _mlx_form(w: Any) -> Any:

@@ -19,6 +19,8 @@ as NumPy code otherwise.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from edgeserve.backends import cpu_kernels, qmatmul
+from edgeserve.backends.cpu_decoder import CPUDecoder
 from edgeserve.backends.cpu_kernels import compile_now, decode_attention
 from edgeserve.backends.qmatmul import QMatrix
 from edgeserve.batch import Batch
@@ -89,6 +92,7 @@ class NumpyMeta:
     token_ids: np.ndarray
     slot_mapping: np.ndarray
     logits_indices: np.ndarray
+    positions: np.ndarray  # [T]
     cos: np.ndarray  # [T, 1, head_dim / 2]
     sin: np.ndarray
     block_tables: np.ndarray  # [T, max_blocks] each row's sequence's blocks
@@ -134,6 +138,9 @@ class NumpyBackend:
             return qmatmul.prepare([p if isinstance(p, QUANTIZED) else as_float32(p) for p in parts])
         return np.ascontiguousarray(np.concatenate([as_float32(p) for p in parts], axis=0).T)
 
+    def fuse_blocks(self, layers: list[Any], eps: float) -> CPUDecoder | None:
+        return CPUDecoder.build(layers, eps) if self.weights == "quantized" else None
+
     def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
         angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
         return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
@@ -146,11 +153,16 @@ class NumpyBackend:
             token_ids=batch.token_ids,
             slot_mapping=batch.slot_mapping,
             logits_indices=batch.logits_indices,
+            positions=batch.positions,
             cos=cos[batch.positions][:, None, :],
             sin=sin[batch.positions][:, None, :],
             block_tables=blocks,
             context_lens=lens,
         )
+
+    def with_rope(self, meta: NumpyMeta, rope: tuple[np.ndarray, np.ndarray]) -> NumpyMeta:
+        cos, sin = rope
+        return dataclasses.replace(meta, cos=cos[meta.positions][:, None, :], sin=sin[meta.positions][:, None, :])
 
     def embed(self, table: np.ndarray | QMatrix, ids: np.ndarray) -> np.ndarray:
         if isinstance(table, QMatrix):
@@ -198,6 +210,27 @@ class NumpyBackend:
         s *= u
         return s
 
+    def gelu_tanh_mul(self, gate_up: np.ndarray) -> np.ndarray:
+        half = gate_up.shape[-1] // 2
+        g, u = gate_up[:, :half], gate_up[:, half:]
+        # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) in one scratch array, worked in place
+        s = g * g
+        s *= np.float32(0.044715)
+        s += np.float32(1.0)
+        s *= g
+        s *= np.float32(math.sqrt(2.0 / math.pi))
+        np.tanh(s, out=s)
+        s += np.float32(1.0)
+        s *= g
+        s *= np.float32(0.5)
+        s *= u
+        return s
+
+    def soft_cap(self, x: np.ndarray, cap: float) -> np.ndarray:
+        out = np.tanh(x / np.float32(cap))
+        out *= np.float32(cap)
+        return out
+
     def allocate_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> np.ndarray:
         return np.zeros((num_blocks, block_size, n_kv_heads, head_dim), dtype=self.kv_dtype)
 
@@ -214,9 +247,11 @@ class NumpyBackend:
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
         return x
 
-    def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: NumpyMeta) -> np.ndarray:
-        """Attention of each row over its sequence's K/V up to its own position, read through the block tables."""
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
+    def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: NumpyMeta,
+                        window: int | None = None) -> np.ndarray:
+        """Attention of each row over its sequence's K/V up to its own position (its last `window` keys
+        where given), read through the block tables."""
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, window)
 
 
 def _set_blas_threads(n: int) -> None:

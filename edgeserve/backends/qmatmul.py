@@ -105,6 +105,10 @@ class QMatrix:
         # One packed segment covers nearly every real matrix: its C call arguments are kept ready.
         self._fast = segments[0].c_args() if len(segments) == 1 and segments[0].bits else None
 
+    def packed_args(self) -> tuple | None:
+        """The C gemm's weight arguments (all but x and out), where one packed segment holds the whole matrix."""
+        return None if self._fast is None else (*self._fast[0], *self._fast[1])
+
     def __repr__(self) -> str:
         kinds = ", ".join(_describe(s) for s in self.segments)
         return f"QMatrix(shape={self.shape}, {kinds}, {self.nbytes / 2**20:.1f} MiB)"
