@@ -19,7 +19,8 @@ from paged_cases import TOLERANCE, decode_only, random_case
 
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]')")
 
-from edgeserve.metal.emulator import EmulationError, compiler, metal_kernel  # noqa: E402
+from edgeserve.metal.emulator.runner import EmulationError, compiler, metal_kernel  # noqa: E402
+from edgeserve.metal import instantiations  # noqa: E402
 from edgeserve.metal.kernels import launch, make_kernels, partition_size, prepare_kernel  # noqa: E402
 from edgeserve.metal.reference import prepare_reference, reference_paged_attention  # noqa: E402
 
@@ -155,3 +156,18 @@ def test_constant_buffer_cannot_pass_as_a_device_pointer():
     batch, q = decode_only(batch, q)
     with pytest.raises(EmulationError, match="did not compile"):
         emulate(batch, *(mx.array(a) for a in (q, k, v)), plant)
+
+
+def test_instantiations_for_a_compile_check_on_a_mac(tmp_path):
+    """Each dtype and head dim, with the small inputs in device and in constant memory, as files xcrun can compile."""
+    assert instantiations.main([str(tmp_path)]) == 0
+    files = {f.name: f.read_text() for f in tmp_path.glob("*.metal")}
+    partitions = [text for name, text in files.items() if "_reduce_" not in name]
+    assert len(partitions) == 2 * 3 * 8  # address spaces x dtypes x (head dims x groups that fit)
+    assert len(files) - len(partitions) == 2 * 3 * 3
+    assert sum("const constant int32_t* block_tables" in text for text in partitions) == 3 * 8
+    for dtype in ("float", "float16_t", "bfloat16_t"):
+        for head_dim in (64, 128, 256):
+            assert any(f"<{dtype}, {head_dim}, 4, " in text for text in partitions)
+    for text in files.values():
+        assert text.startswith("#include <metal_stdlib>\n") and '[[host_name("' in text
