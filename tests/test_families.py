@@ -34,6 +34,7 @@ TOLERANCE = 1e-4  # max |logit difference| from transformers, float32 on both si
 # the bounds the MLX backend is held to on the default Llama model (tests/test_mlx_backend.py),
 # by its activation width: float32 on the CPU, float16 on a GPU
 MLX_TOLERANCE = {4: 0.1, 2: 0.3}
+F32 = gguf.GGMLQuantizationType.F32
 
 
 def family_folder(name: str, dest: Path, **overrides) -> Path:
@@ -69,9 +70,9 @@ def family(request, tmp_path_factory) -> tuple[str, LoadedModel]:
     return name, load_folder(family_folder(name, tmp_path_factory.mktemp(name)))
 
 
-def write_gguf(model: LoadedModel, arch: str, path: Path) -> Path:
-    """The model as llama.cpp's converter writes it: float32 tensors under GGUF names, Llama's q/k
-    rows permuted for interleaved RoPE, Phi-3's LongRoPE factors as tensors, the vocabulary inside."""
+def write_gguf(model: LoadedModel, arch: str, path: Path, qtype: gguf.GGMLQuantizationType = F32) -> Path:
+    """The model as llama.cpp's converter writes it: tensors under GGUF names (matrices in `qtype`),
+    Llama's q/k rows permuted for interleaved RoPE, Phi-3's LongRoPE factors as tensors, the vocabulary."""
     a = model.args
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(a.num_hidden_layers)
@@ -116,7 +117,10 @@ def write_gguf(model: LoadedModel, arch: str, path: Path) -> Path:
         if arch == "llama" and kind in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = a.num_attention_heads if kind == "self_attn.q_proj" else a.num_key_value_heads
             t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(t.shape)
-        w.add_tensor(f"blk.{layer}.{names[kind]}.weight", t)
+        if qtype != F32 and t.ndim == 2:
+            w.add_tensor(f"blk.{layer}.{names[kind]}.weight", gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(f"blk.{layer}.{names[kind]}.weight", t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -145,6 +149,21 @@ def test_gguf_loads_to_the_same_model(family, tmp_path):
         assert getattr(from_gguf.args, field) == getattr(model.args, field), field
     engine = LLMEngine(from_gguf, backend="numpy", weights="float32", kv_memory="16MiB")
     assert worst_difference(engine, reference(name)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0])
+def test_quantized_gguf_runs_from_its_blocks(family, tmp_path, qtype):
+    """A quantized GGUF of the family on the NumPy kernels that compute from the blocks, and on MLX:
+    the logits of its own float32 values (the exact oracle), within the kernels' activation rounding."""
+    name, model = family
+    from_gguf = load_gguf(write_gguf(model, GGUF_ARCH[name], tmp_path / f"{name}.gguf", qtype))
+    exact = LLMEngine(from_gguf, backend="numpy", weights="float32", kv_memory="16MiB")
+    cases = [(ids, exact.prompt_logits(ids)) for ids, _ in reference(name)]
+    quantized = LLMEngine(from_gguf, backend="numpy", weights="quantized", kv_memory="16MiB")
+    assert worst_difference(quantized, cases) <= 1e-3  # activations rounded to int16 per group
+    pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]')")
+    engine = LLMEngine(from_gguf, backend="mlx", kv_memory="16MiB")
+    assert worst_difference(engine, cases) <= MLX_TOLERANCE[engine.backend.kv_dtype_bytes]
 
 
 def transformers4_config(folder: Path) -> None:
