@@ -217,16 +217,23 @@ def test_greedy_decoding_agrees_with_the_prompt_logits(family):
 
 @pytest.mark.parametrize("backend", ["numpy", "mlx"])
 def test_a_mistral_window_shorter_than_the_prompts(tmp_path, backend):
-    """A window of 8 tokens over prompts of 7, 24 and 40: each position sees its last 8 keys."""
+    """A window of 8 tokens (the fixture's "window" variant) over prompts of 7, 24 and 40: each
+    position sees its last 8 keys, in one pass and when decoded after a prefill in chunks of 8."""
     if backend == "mlx":
         pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]')")
-    model = load_folder(family_folder("mistral", tmp_path, sliding_window=8))
+    overrides = json.loads((FIXTURES / "mistral" / "config_overrides.json").read_text())["window"]
+    assert overrides == {"sliding_window": 8}
+    model = load_folder(family_folder("mistral", tmp_path, **overrides))
     engine = LLMEngine(model, backend=backend, kv_memory="16MiB", max_num_batched_tokens=8)
     assert [layer.attention.window for layer in engine.runner.model.layers] == [8, 8]
     cases = reference("mistral", "window_")
     bound = TOLERANCE if backend == "numpy" else MLX_TOLERANCE[engine.backend.kv_dtype_bytes]
     assert worst_difference(engine, cases) <= bound
     assert worst_difference(engine, reference("mistral")[1:]) > 100 * TOLERANCE  # the window changes them
+    prompt = cases[1][0]
+    engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), "r")
+    out = engine.run_to_completion()["r"].token_ids
+    assert engine.prompt_logits(prompt + out[:-1])[len(prompt) - 1 :].argmax(-1).tolist() == out
 
 
 def test_phi3_with_partial_rotary_embeddings_is_refused(tmp_path):
