@@ -6,13 +6,17 @@ import json
 import re
 
 import jsonschema
+import llguidance
 import pytest
 from click.testing import CliRunner
 
 from edgeserve.cli.main import cli
+from edgeserve.engine.constraints import ll_tokenizer
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.llm import LLM
 from edgeserve.sampling_params import InvalidParamsError, SamplingParams
+from edgeserve.text.tokenizer import Tokenizer
+from test_tokenizer import spm_model  # noqa: F401 (a fixture: a tiny SentencePiece model)
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16},
@@ -108,3 +112,17 @@ def test_cli_run_with_a_json_schema(model_path, tmp_path) -> None:
     schema_file.write_text("not json")
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2 and "--json-schema" in result.output and "is not JSON" in result.output
+
+
+def test_sentencepiece_vocabularies_take_grammars(spm_model) -> None:
+    tokenizer = Tokenizer.from_dir(spm_model[0])
+    llt = ll_tokenizer(tokenizer, tokenizer.vocab_size)
+
+    def accepts(regex: str, text: str) -> bool:
+        matcher = llguidance.LLMatcher(llt, llguidance.LLMatcher.grammar_from_regex(regex), log_level=0)
+        return matcher.consume_tokens(tokenizer.encode(text, add_bos=False)) and matcher.is_accepting()
+
+    # SentencePiece writes a word's space before it ("▁the"), so encoded text starts with one
+    assert accepts(r" the (quick|lazy) dog", "the lazy dog")
+    assert not accepts(r" the (quick|lazy) dog", "the brown dog")
+    assert accepts(r" Z.rich 😀", "Zürich 😀")  # pieces of raw bytes (byte fallback) spell what the vocabulary lacks
