@@ -24,7 +24,7 @@ class AttentionPath:
 
     name: str  # "metal-kernel", "cuda-kernel" or "mlx-reference"
     prepare: Callable[[Any], Any]  # Batch -> the path's per-step arrays
-    run: Callable[..., Any]  # (q, k_cache, v_cache, prepared) -> output [T, n_heads, head_dim]
+    run: Callable[..., Any]  # (q, k_cache, v_cache, prepared, window) -> output [T, n_heads, head_dim]
 
 
 def mlx_gpu_available() -> bool:
@@ -59,13 +59,27 @@ def reference_forced() -> bool:
 
 def select_attention() -> AttentionPath:
     """The paged-attention path for this process's MLX device."""
-    from edgeserve.metal.kernels import kernel_paged_attention, prepare_kernel
+    from edgeserve.metal.kernels import prepare_kernel
     from edgeserve.metal.reference import prepare_reference, reference_paged_attention
 
     platform = None if reference_forced() else kernel_platform()
     if platform is None:
         return AttentionPath("mlx-reference", prepare_reference, reference_paged_attention)
-    return AttentionPath(f"{platform}-kernel", prepare_kernel, partial(kernel_paged_attention, platform=platform))
+    return AttentionPath(f"{platform}-kernel", prepare_kernel, partial(_kernel_or_windowed_reference, platform=platform))
+
+
+def _kernel_or_windowed_reference(q: Any, k_cache: Any, v_cache: Any, meta: Any, window: int | None = None, *,
+                                  platform: str) -> Any:
+    """The custom kernel; the reference where a sliding window hides keys from some row (the kernels
+    have no window), which on a step whose sequences all fit in the window is never."""
+    from edgeserve.metal.kernels import kernel_paged_attention
+    from edgeserve.metal.reference import prepare_reference, reference_paged_attention
+
+    if window is not None and window < meta.max_len:
+        if meta.fallback is None:
+            meta.fallback = prepare_reference(meta.batch)
+        return reference_paged_attention(q, k_cache, v_cache, meta.fallback, window)
+    return kernel_paged_attention(q, k_cache, v_cache, meta, platform)
 
 
 def active_attention_path(backend: str = "auto") -> str:

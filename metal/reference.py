@@ -2,13 +2,15 @@
 
 K and V are gathered from the pool through the block tables into contiguous copies, then
 attended with ordinary matmuls and a softmax. Decode rows (one query token per sequence) are
-done together as one batch; each prefill chunk is done on its own with a causal mask.
+done together as one batch; each prefill chunk is done on its own with a causal mask. A
+sliding-window layer adds the keys before each row's window to its mask (those masks are made
+on the step's first windowed call and kept for its other layers).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -35,9 +37,12 @@ class ReferenceMeta:
     decode_rows: mx.array  # [D] rows that are a sequence's single decode token
     decode_blocks: mx.array  # [D, max_blocks]
     decode_mask: mx.array  # additive float32 [D, 1, 1, max_blocks * block_size]
+    decode_lens: np.ndarray  # [D] keys each decode row sees
     num_decode: int
     prefills: list[PrefillChunk]
     row_order: mx.array  # [T] where each batch row sits in the concatenated outputs
+    # window -> (decode mask, one mask per prefill chunk) with the keys outside the window masked too
+    window_masks: dict[int, tuple[mx.array, list[mx.array]]] = field(default_factory=dict)
 
 
 def prepare_reference(batch: Batch) -> ReferenceMeta:
@@ -59,31 +64,54 @@ def prepare_reference(batch: Batch) -> ReferenceMeta:
         decode_rows=mx.array(rows.astype(np.int32)),
         decode_blocks=mx.array(blocks.astype(np.int32)),
         decode_mask=mx.array(np.where(valid, 0.0, MASKED).astype(np.float32)[:, None, None, :]),
+        decode_lens=lens,
         num_decode=len(rows),
         prefills=prefills,
         row_order=mx.array(np.argsort(concatenated_rows).astype(np.int32)),
     )
 
 
-def reference_paged_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: ReferenceMeta) -> mx.array:
-    """Attention of each row [T, n_heads, head_dim] over its sequence's K/V, read through the block tables."""
+def window_masks(meta: ReferenceMeta, window: int | None) -> tuple[mx.array, list[mx.array]]:
+    """The decode mask and each prefill chunk's mask, hiding also the keys before each row's last `window`."""
+    if window is None:
+        return meta.decode_mask, [c.mask for c in meta.prefills]
+    if window not in meta.window_masks:
+        keys = np.arange(meta.decode_mask.shape[-1])[None, :]
+        lens = meta.decode_lens[:, None]
+        decode = (keys < lens) & (keys >= lens - window)
+        chunks = []
+        for c in meta.prefills:
+            position = (c.context_len - c.length + np.arange(c.length))[:, None]
+            keys = np.arange(c.context_len)[None, :]
+            chunks.append(mx.array(np.where((keys <= position) & (keys > position - window), 0.0, MASKED)
+                                   .astype(np.float32)))
+        meta.window_masks[window] = (
+            mx.array(np.where(decode, 0.0, MASKED).astype(np.float32)[:, None, None, :]), chunks)
+    return meta.window_masks[window]
+
+
+def reference_paged_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: ReferenceMeta,
+                              window: int | None = None) -> mx.array:
+    """Attention of each row [T, n_heads, head_dim] over its sequence's K/V (its last `window` keys
+    where given), read through the block tables."""
     t, n_heads, hd = q.shape
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
     scale = 1.0 / math.sqrt(hd)
+    decode_mask, chunk_masks = window_masks(meta, window)
     outputs = []
     if meta.num_decode:
         d = meta.num_decode
         k = k_cache[meta.decode_blocks].reshape(d, -1, n_kv, hd).transpose(0, 2, 3, 1)  # [D, kv, hd, L]
         v = v_cache[meta.decode_blocks].reshape(d, -1, n_kv, hd).transpose(0, 2, 1, 3)  # [D, kv, L, hd]
         qd = q[meta.decode_rows].reshape(d, n_kv, group, hd) * scale
-        outputs.append(_softmax_av(qd @ k + meta.decode_mask, v).reshape(d, n_heads, hd))
-    for chunk in meta.prefills:
+        outputs.append(_softmax_av(qd @ k + decode_mask, v).reshape(d, n_heads, hd))
+    for chunk, mask in zip(meta.prefills, chunk_masks):
         c, n = chunk.context_len, chunk.length
         k = k_cache[chunk.blocks].reshape(-1, n_kv, hd)[:c].transpose(1, 2, 0)  # [kv, hd, c]
         v = v_cache[chunk.blocks].reshape(-1, n_kv, hd)[:c].transpose(1, 0, 2)  # [kv, c, hd]
         qc = (q[chunk.start : chunk.start + n] * scale).reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3)
-        o = _softmax_av(qc @ k[:, None] + chunk.mask, v[:, None])  # [kv, g, n, hd]
+        o = _softmax_av(qc @ k[:, None] + mask, v[:, None])  # [kv, g, n, hd]
         outputs.append(o.transpose(2, 0, 1, 3).reshape(n, n_heads, hd))
     return mx.concatenate(outputs, axis=0)[meta.row_order]
 

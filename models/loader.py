@@ -176,6 +176,8 @@ def gguf_weights(g: GGUFFile, args: ModelArgs) -> Weights:
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
             heads = args.num_attention_heads if ".q_proj." in hf else args.num_key_value_heads
             w = _permute_rows(w, _rope_rows_to_half(w.shape[0], heads))
+        if family.gguf_norm_shift and hf.endswith("norm.weight"):
+            w = w - np.float32(family.gguf_norm_shift)
         weights[hf] = w
     return weights
 
@@ -185,7 +187,10 @@ def load_gguf(path: Path) -> LoadedModel:
     args = gguf_args(g)
     weights = gguf_weights(g, args)
     _check_complete(weights, args, path)
-    return LoadedModel(args, weights, Tokenizer.from_gguf(g.metadata), path, "gguf")
+    tokenizer = Tokenizer.from_gguf(g.metadata)
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = architecture(args.model_type, path).chat_template
+    return LoadedModel(args, weights, tokenizer, path, "gguf")
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:

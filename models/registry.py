@@ -16,6 +16,7 @@ from typing import TypeVar
 from edgeserve.backends.base import Backend
 from edgeserve.errors import ModelLoadError
 from edgeserve.models.base import Model, ModelArgs, Weights, WindowedArgs
+from edgeserve.models.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE, Gemma3, Gemma3Args
 from edgeserve.models.llama import Llama, Qwen2Args
 from edgeserve.models.mistral import Mistral
 from edgeserve.models.phi3 import Phi3, Phi3Args
@@ -36,9 +37,17 @@ class Architecture:
     gguf_rope_permuted: bool = False
     # GGUF layer tensor kinds that mean something else in this family (e.g. Phi-3's fused ffn_up)
     gguf_layer_names: dict[str, str] = field(default_factory=dict)
+    # llama.cpp's converter stores this family's RMSNorm weights plus this (Gemma's 1 + weight)
+    gguf_norm_shift: float = 0.0
+    chat_template: str | None = None  # for files of this family that ship none
 
 
 ARCHITECTURES: dict[str, Architecture] = {
+    "gemma3_text": Architecture(Gemma3, "Gemma3ForCausalLM", Gemma3Args, gguf_name="gemma3", gguf_norm_shift=1.0,
+                                gguf_layer_names={"ffn_norm": "pre_feedforward_layernorm",
+                                                  "post_attention_norm": "post_attention_layernorm",
+                                                  "post_ffw_norm": "post_feedforward_layernorm"},
+                                chat_template=GEMMA3_CHAT_TEMPLATE),
     "llama": Architecture(Llama, "LlamaForCausalLM", gguf_name="llama", gguf_rope_permuted=True),
     "mistral": Architecture(Mistral, "MistralForCausalLM", WindowedArgs),  # GGUF: written as llama
     "phi3": Architecture(Phi3, "Phi3ForCausalLM", Phi3Args, gguf_name="phi3",

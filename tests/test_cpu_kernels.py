@@ -52,9 +52,10 @@ def attention_case(seed: int, block_size: int, n_kv: int, group: int, head_dim: 
     return q, k, v, batch.block_tables, np.asarray(lens, np.int64)
 
 
-def numba_attention(q, k, v, tables, lens):
+def numba_attention(q, k, v, tables, lens, window=0):
     out = np.empty_like(q)
-    cpu_kernels._decode_attention(np.ascontiguousarray(q), k, v, tables, lens, np.float32(1 / np.sqrt(q.shape[-1])), out)
+    cpu_kernels._decode_attention(np.ascontiguousarray(q), k, v, tables, lens, np.float32(1 / np.sqrt(q.shape[-1])),
+                                  window, out)
     return out
 
 
@@ -75,6 +76,21 @@ def test_attention_matches_numba(isa, threads, block_size, n_kv, group, head_dim
     out = np.full_like(q, np.nan)
     assert ext.attention(q, k, v, tables, ctx, out, 1 / np.sqrt(head_dim))
     np.testing.assert_allclose(out, numba_attention(q, k, v, tables, ctx), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 300, 512, 5000])
+def test_attention_window_matches_numba_and_plain_attention(isa, threads, window):
+    """Sliding-window layers: each row sees its last `window` keys, whether they start inside a
+    block, at a block edge, or the row has fewer; long rows still split into ranges."""
+    q, k, v, tables, ctx = attention_case(window, 16, 2, 2, 64, [1, 15, 16, 17, 333, 1000, 700, 2])
+    out = np.full_like(q, np.nan)
+    assert ext.attention(q, k, v, tables, ctx, out, 1 / np.sqrt(64), window)
+    np.testing.assert_allclose(out, numba_attention(q, k, v, tables, ctx, window), atol=2e-5, rtol=0)
+    batch = random_paged_batch([int(n) for n in ctx], [1] * len(ctx), 16, np.random.default_rng(0))[0]
+    batch.block_tables = tables
+    np.testing.assert_allclose(out, dense_causal_attention(q, k, v, batch, window), atol=2e-5, rtol=0)
+    if window < 1000:
+        assert np.abs(out[5] - numba_attention(q, k, v, tables, ctx)[5]).max() > 1e-3  # the window matters
 
 
 @needs_ext
@@ -111,15 +127,17 @@ def test_attention_declines_other_layouts():
     np.testing.assert_allclose(got, numba_attention(q, k, v, tables, ctx), atol=2e-5, rtol=0)
 
 
-def dense_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, batch) -> np.ndarray:
-    """Plain softmax attention, one row at a time, over the keys up to each row's position."""
+def dense_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, batch, window: int | None = None) -> np.ndarray:
+    """Plain softmax attention, one row at a time, over the keys up to each row's position (its last
+    `window` of them where given)."""
     n_heads, hd = q.shape[1:]
     group = n_heads // k.shape[2]
     out = np.empty_like(q)
     seq_of_row = np.repeat(np.arange(batch.num_seqs), batch.query_lens)
     for row, (s, pos) in enumerate(zip(seq_of_row, batch.positions)):
-        keys = k[batch.block_tables[s]].reshape(-1, *k.shape[2:])[: pos + 1]
-        values = v[batch.block_tables[s]].reshape(-1, *v.shape[2:])[: pos + 1]
+        first = max(0, pos + 1 - window) if window else 0
+        keys = k[batch.block_tables[s]].reshape(-1, *k.shape[2:])[first : pos + 1]
+        values = v[batch.block_tables[s]].reshape(-1, *v.shape[2:])[first : pos + 1]
         for h in range(n_heads):
             scores = keys[:, h // group] @ q[row, h] / np.sqrt(hd)
             p = np.exp(scores - scores.max())
@@ -127,9 +145,10 @@ def dense_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, batch) -
     return out
 
 
-def test_backend_attention_mixed_batch(isa, monkeypatch):
+@pytest.mark.parametrize("window", [None, 20], ids=["causal", "window"])
+def test_backend_attention_mixed_batch(isa, monkeypatch, window):
     """Decode rows and prefill chunks in one step: every row, C kernel or fallback, equals plain
-    causal attention over its own sequence."""
+    causal attention over its own sequence (or its window of it)."""
     rng = np.random.default_rng(5)
     contexts, query_lens = [300, 17, 64, 1, 250], [1, 17, 1, 1, 40]
     batch, num_blocks = random_paged_batch(contexts, query_lens, 16, rng, spare_blocks=2)
@@ -138,16 +157,17 @@ def test_backend_attention_mixed_batch(isa, monkeypatch):
     v = rng.standard_normal((num_blocks, 16, 3, 64)).astype(np.float32)
     be = NumpyBackend(weights="quantized")
     rope = (np.ones((400, 32), np.float32), np.zeros((400, 32), np.float32))
-    got = be.paged_attention(q, k, v, be.batch_meta(batch, rope))
-    want = dense_causal_attention(q, k, v, batch)
+    got = be.paged_attention(q, k, v, be.batch_meta(batch, rope), window)
+    want = dense_causal_attention(q, k, v, batch, window)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
     monkeypatch.setattr(cpu_kernels, "ops", None)
-    np.testing.assert_allclose(be.paged_attention(q, k, v, be.batch_meta(batch, rope)), want, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(be.paged_attention(q, k, v, be.batch_meta(batch, rope), window), want, atol=2e-5,
+                               rtol=0)
 
 
 def small_meta(cos: np.ndarray, sin: np.ndarray) -> NumpyMeta:
     empty = np.zeros(0, np.int64)
-    return NumpyMeta(empty, empty, empty, cos, sin, np.zeros((0, 0), np.int64), empty)
+    return NumpyMeta(empty, empty, empty, cos, sin, np.zeros((0, 0), np.int64), empty, empty)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 300])

@@ -80,6 +80,17 @@ def test_free_text_and_broken_calls_stay_text() -> None:
     last, calls = stream.feed("", True)
     assert first + last == broken and calls == []
     assert split_reply("I think {not a call}", Llama3Format()) == ("I think {not a call}", [])
+    assert split_reply("[1, 2] are numbers", MistralFormat()) == ("[1, 2] are numbers", [])
+
+
+def test_calls_without_their_special_marker_token_still_parse() -> None:
+    # Output text leaves special tokens out: Mistral's [TOOL_CALLS] and Llama 3's <|python_tag|> are ones.
+    for fmt in (MistralFormat(), Llama3Format()):
+        text = fmt.write(CALLS).replace(fmt.marker, "")
+        assert split_reply(text, fmt) == (None, CALLS)
+        stream = ToolCallStream(fmt)
+        pieces = [stream.feed(text[i:i + 2], False) for i in range(0, len(text), 2)] + [stream.feed("", True)]
+        assert "".join(p[0] for p in pieces) == "" and [c for p in pieces for c in p[1]] == CALLS
 
 
 def test_the_format_comes_from_the_template() -> None:

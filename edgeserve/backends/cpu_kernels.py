@@ -40,24 +40,27 @@ _pool = ThreadPoolExecutor(_CORES - 1, thread_name_prefix="attention") if _CORES
 
 
 def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-                     context_lens: np.ndarray) -> np.ndarray:
+                     context_lens: np.ndarray, window: int | None = None) -> np.ndarray:
     """Attention of queries q [D, n_heads, head_dim] over K/V pools [blocks, block_size, n_kv, head_dim].
 
-    block_tables [D, max_blocks] and context_lens [D] say where each row's keys are and how many it sees.
+    block_tables [D, max_blocks] and context_lens [D] say where each row's keys are and how many it
+    sees; with a window, a row sees only the last `window` of them (a sliding-window layer).
     """
     out = np.empty(q.shape, np.float32)
     scale = np.float32(1.0 / np.sqrt(q.shape[-1]))
-    if ops is not None and ops.attention(q, k_cache, v_cache, block_tables, context_lens, out, scale):
+    span = window or 0  # 0: no window
+    if ops is not None and ops.attention(q, k_cache, v_cache, block_tables, context_lens, out, scale, span):
         return out
     q = np.ascontiguousarray(q)
     if _pool is None or len(q) < _MIN_ROWS_TO_SPLIT:
-        _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+        _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, span, out)
         return out
-    shares = _shares(context_lens, _CORES)
+    seen = np.minimum(context_lens, span) if span else context_lens
+    shares = _shares(seen, _CORES)
     futures = [_pool.submit(_decode_attention, q[a:b], k_cache, v_cache, block_tables[a:b], context_lens[a:b],
-                            scale, out[a:b]) for a, b in shares[1:]]
+                            scale, span, out[a:b]) for a, b in shares[1:]]
     a, b = shares[0]
-    _decode_attention(q[a:b], k_cache, v_cache, block_tables[a:b], context_lens[a:b], scale, out[a:b])
+    _decode_attention(q[a:b], k_cache, v_cache, block_tables[a:b], context_lens[a:b], scale, span, out[a:b])
     for f in futures:
         f.result()
     return out
@@ -107,7 +110,7 @@ def compile_now() -> None:
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out):
+def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window, out):
     num_seqs, n_heads, hd = q.shape
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv
@@ -115,10 +118,11 @@ def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, ou
     acc = np.empty(hd, np.float32)
     for s in range(num_seqs):
         length = context_lens[s]
+        start = length - window if 0 < window < length else 0  # keys before it are outside the window
         qs = q[s] * scale
-        for b in range((length + block_size - 1) // block_size):
+        for b in range(start // block_size, (length + block_size - 1) // block_size):
             block = k_cache[block_tables[s, b]]
-            for off in range(min(block_size, length - b * block_size)):
+            for off in range(max(0, start - b * block_size), min(block_size, length - b * block_size)):
                 t = b * block_size + off
                 for kv_head in range(n_kv):
                     k_row = block[off, kv_head]
@@ -128,23 +132,23 @@ def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, ou
                             dot += qs[h, i] * k_row[i]
                         probs[h, t] = dot
         for h in range(n_heads):
-            top = probs[h, 0]
-            for t in range(1, length):
+            top = probs[h, start]
+            for t in range(start + 1, length):
                 top = max(top, probs[h, t])
             total = np.float32(0.0)
-            for t in range(length):
+            for t in range(start, length):
                 e = np.exp(probs[h, t] - top)
                 probs[h, t] = e
                 total += e
-            for t in range(length):
+            for t in range(start, length):
                 probs[h, t] /= total
         # one head at a time, so its accumulator stays in registers
         for h in range(n_heads):
             kv_head = h // group
             acc[:] = 0.0
-            for b in range((length + block_size - 1) // block_size):
+            for b in range(start // block_size, (length + block_size - 1) // block_size):
                 block = v_cache[block_tables[s, b]]
-                for off in range(min(block_size, length - b * block_size)):
+                for off in range(max(0, start - b * block_size), min(block_size, length - b * block_size)):
                     w = probs[h, b * block_size + off]
                     v_row = block[off, kv_head]
                     for i in range(hd):

@@ -92,11 +92,11 @@ class NumpyMeta:
     token_ids: np.ndarray
     slot_mapping: np.ndarray
     logits_indices: np.ndarray
-    positions: np.ndarray  # [T]
     cos: np.ndarray  # [T, 1, head_dim / 2]
     sin: np.ndarray
     block_tables: np.ndarray  # [T, max_blocks] each row's sequence's blocks
     context_lens: np.ndarray  # [T] keys each row sees
+    positions: np.ndarray  # [T], for `with_rope`
 
 
 class NumpyBackend:
@@ -153,11 +153,11 @@ class NumpyBackend:
             token_ids=batch.token_ids,
             slot_mapping=batch.slot_mapping,
             logits_indices=batch.logits_indices,
-            positions=batch.positions,
             cos=cos[batch.positions][:, None, :],
             sin=sin[batch.positions][:, None, :],
             block_tables=blocks,
             context_lens=lens,
+            positions=batch.positions,
         )
 
     def with_rope(self, meta: NumpyMeta, rope: tuple[np.ndarray, np.ndarray]) -> NumpyMeta:

@@ -143,9 +143,14 @@ class MistralFormat(ToolCallFormat):
 
     def split(self, text: str) -> tuple[str, list[ToolCall], str]:
         start = text.find(self.marker)
-        if start < 0:
-            return text, [], ""
-        body = text[start + len(self.marker):]
+        if start >= 0:
+            body = text[start + len(self.marker):]
+        else:
+            # The marker is a special token, which the answer's text leaves out: a call list opens it.
+            body = text.lstrip()
+            if not body.startswith("[{"):
+                return text, [], ""
+            start = len(text) - len(body)
         try:
             items, end = _DECODER.raw_decode(body.lstrip())
         except ValueError:
@@ -154,6 +159,11 @@ class MistralFormat(ToolCallFormat):
         if any(c is None for c in calls):
             return text[:start], [], body
         return text[:start], calls, body.lstrip()[end:]
+
+    def held_back(self, content: str) -> int:
+        if content.lstrip() in ("", "["):  # may open a call list
+            return len(content)
+        return super().held_back(content)
 
 
 class Llama3Format(ToolCallFormat):
