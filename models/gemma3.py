@@ -87,7 +87,6 @@ class Gemma3Attention(Attention):
     k_norm: Array = None
     eps: float = 1e-6
     q_scale: float = 1.0  # on top of the backend's 1 / sqrt(head_dim)
-    window: int | None = None  # None on global layers
 
     @classmethod
     def load(cls, args: ModelArgs, weights: Weights, prefix: str, be: Backend) -> Gemma3Attention:
