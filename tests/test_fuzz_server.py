@@ -8,6 +8,7 @@ longer one, e.g. EDGESERVE_FUZZ_EXAMPLES=5000.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Iterator
@@ -124,18 +125,31 @@ COMPLETION_FIELDS = {
 }
 
 
+@st.composite
+def spoiled(draw: st.DrawFn, valid: st.SearchStrategy) -> object:
+    """A well-formed body with one value at any depth made anything at all, or left out."""
+    body = copy.deepcopy(draw(valid))  # strategies like st.just hand out the same object each time
+    node = body
+    while node:
+        key = draw(st.sampled_from(list(node) if isinstance(node, dict) else range(len(node))))
+        if isinstance(node[key], dict | list) and node[key] and draw(st.booleans()):
+            node = node[key]  # deeper
+            continue
+        value = draw(anything | st.just(_MISSING))
+        if value is _MISSING:
+            del node[key]
+        else:
+            node[key] = value
+        break
+    return body
+
+
 def bodies(fields: dict[str, st.SearchStrategy], required: str) -> st.SearchStrategy:
-    """Well-formed bodies with a few of the fields; the same with one field made anything at all or left
-    out; or anything at all."""
+    """Well-formed bodies with a few of the fields, the same spoiled somewhere, or anything at all."""
     optional = sorted(k for k in fields if k != required)
     valid = st.lists(st.sampled_from(optional), max_size=4, unique=True).flatmap(
         lambda keys: st.fixed_dictionaries({k: fields[k] for k in (required, *keys)}))
-
-    def spoil(body: dict, field: str, value: object) -> dict:
-        return {**body, field: value} if value is not _MISSING else {k: v for k, v in body.items() if k != field}
-
-    spoiled = st.builds(spoil, valid, st.sampled_from(sorted(fields)), anything | st.just(_MISSING))
-    return st.one_of(valid, valid, spoiled, anything)
+    return st.one_of(valid, valid, spoiled(valid), anything)
 
 
 # checks ------------------------------------------------------------------------------------------
