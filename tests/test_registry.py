@@ -23,15 +23,17 @@ TINY_CONFIG = {"hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 6
 
 
 def test_what_is_supported():
-    assert set(ARCHITECTURES) == {"llama", "mistral", "phi3", "qwen2", "qwen3", "smollm", "smollm2"}
-    assert GGUF_MODEL_TYPES == {"llama": "llama", "phi3": "phi3", "qwen2": "qwen2", "qwen3": "qwen3"}
+    assert set(ARCHITECTURES) == {"gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3", "smollm", "smollm2"}
+    assert GGUF_MODEL_TYPES == {"gemma3": "gemma3_text", "llama": "llama", "phi3": "phi3", "qwen2": "qwen2",
+                                "qwen3": "qwen3"}
     assert architecture("qwen2", "x").hf_name == "Qwen2ForCausalLM"
     assert gguf_model_type("llama", "x") == "llama" and architecture("llama", "x").gguf_rope_permuted
 
 
 @pytest.mark.parametrize("lookup", [architecture, gguf_model_type])
 def test_an_unknown_architecture_names_the_source_and_the_supported_ones(lookup):
-    with pytest.raises(ModelLoadError, match=r"^m\.gguf: unsupported architecture 'gpt2' \(supported: llama, "):
+    with pytest.raises(ModelLoadError,
+                       match=r"^m\.gguf: unsupported architecture 'gpt2' \(supported: gemma3(_text)?, llama, "):
         lookup("gpt2", "m.gguf")
 
 
