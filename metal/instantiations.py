@@ -35,11 +35,11 @@ class _Recorder(EmulatedKernel):
     """Stands in for a kernel object: records the source of each launch and returns zeros."""
 
     def __init__(self, sources: dict[str, str], **kernel: Any):
-        super().__init__(**kernel)
+        super().__init__("metal", **kernel)
         self.sources = sources
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=()) -> list[mx.array]:
-        source = self.metal_source(inputs, output_dtypes, template)
+        source = self.generated_source(inputs, output_dtypes, template)
         host_name = source.rsplit('[[host_name("', 1)[1].split('"', 1)[0]
         self.sources[host_name] = PRELUDE + source
         return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]

@@ -2,8 +2,9 @@
 mx.fast.metal_kernel writes, compiled against a C++ shim with SIMD groups in lock-step, through
 the same host code as on a Mac, against the plain-MLX reference; and bugs planted in the body
 (a wrong merge bound, a missing barrier, an off-by-one partition end, a lane that skips a
-shuffle or a barrier, a constant buffer used as a device one) are caught. Also: the checked-in
-Metal and CUDA sources are what their templates give."""
+shuffle or a barrier, a constant buffer used as a device one) are caught. The CUDA twins, run
+the same way, give the same bits. Also: the checked-in Metal and CUDA sources are what their
+templates give, and the instantiations for a compile check on a Mac."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from paged_cases import TOLERANCE, decode_only, random_case
 
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]')")
 
-from edgeserve.metal.emulator.runner import EmulationError, compiler, metal_kernel  # noqa: E402
+from edgeserve.metal.emulator.runner import EmulationError, compiler, cuda_kernel, metal_kernel  # noqa: E402
 from edgeserve.metal import instantiations  # noqa: E402
 from edgeserve.metal.kernels import launch, make_kernels, partition_size, prepare_kernel  # noqa: E402
 from edgeserve.metal.reference import prepare_reference, reference_paged_attention  # noqa: E402
@@ -54,17 +55,17 @@ def case(dtype: str, block_size: int, n_kv: int, group: int, head_dim: int, deco
     return batch, *(mx.array(a).astype(dt) for a in (q, k, v))
 
 
-def emulate(batch, q, k, v, plant: dict[str, tuple[str, str]] | None = None) -> mx.array:
-    """Both passes through the emulated Metal kernels; `plant` maps a kernel name to (text, replacement)."""
+def emulate(batch, q, k, v, plant: dict[str, tuple[str, str]] | None = None, language: str = "metal") -> mx.array:
+    """Both passes through the emulated kernels; `plant` maps a kernel name to (text, replacement)."""
 
     def make(*, name: str, source: str, **names):
         if plant and name in plant:
             text, replacement = plant[name]
             assert text in source, f"{text!r} is no longer in {name}: plant the bug elsewhere"
             source = source.replace(text, replacement)
-        return metal_kernel(name=name, source=source, **names)
+        return (metal_kernel if language == "metal" else cuda_kernel)(name=name, source=source, **names)
 
-    return launch(*make_kernels(make, "metal"), q, k, v, prepare_kernel(batch))
+    return launch(*make_kernels(make, language), q, k, v, prepare_kernel(batch))
 
 
 def max_error(batch, q, k, v, got: mx.array) -> float:
@@ -93,6 +94,18 @@ def test_emulated_metal_kernel_matches_reference(dtype, block_size, n_kv, group,
     assert diff <= TOLERANCE[dtype], f"max abs diff {diff} over {TOLERANCE[dtype]}"
 
 
+@pytest.mark.parametrize(
+    "dtype,block_size,n_kv,group,head_dim,decode",
+    [("float32", 16, 3, 3, 64, False), ("float16", 16, 1, 4, 256, False), ("bfloat16", 16, 2, 4, 128, True)],
+)
+def test_emulated_cuda_twin_gives_the_metal_bits(dtype, block_size, n_kv, group, head_dim, decode):
+    """The CUDA source, run the same way (a warp is a SIMD group), computes exactly what the Metal one does."""
+    batch, q, k, v = case(dtype, block_size, n_kv, group, head_dim, decode)
+    cuda = emulate(batch, q, k, v, language="cuda")
+    assert mx.array_equal(cuda, emulate(batch, q, k, v))
+    assert max_error(batch, q, k, v, cuda) <= TOLERANCE[dtype]
+
+
 def test_small_inputs_bound_in_constant_memory():
     """Fewer than 8 rows: row_seq, row_len and the block tables are `constant` buffers, as on a Mac."""
     batch, q, k, v = random_case(7, 16, 3, 3, 64, max_context=5, long_chunk=(4, 2))
@@ -100,7 +113,7 @@ def test_small_inputs_bound_in_constant_memory():
     q, k, v = (mx.array(a).astype(mx.float16) for a in (q, k, v))
     meta = prepare_kernel(batch)
     partition, _ = make_kernels(metal_kernel, "metal")
-    source = partition.metal_source(
+    source = partition.generated_source(
         [q, k, v, meta.block_tables, meta.row_seq, meta.row_len], [mx.float32] * 3,
         [("T", mx.float16), ("HEAD_DIM", 64), ("GROUP", 3), ("N_KV", 3), ("BLOCK_SIZE", 16), ("PART", 64)],
     )

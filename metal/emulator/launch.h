@@ -2,16 +2,35 @@
 // the Python driver wrote into a folder, and writes the output buffers back there.
 #pragma once
 
+#include <array>
 #include <cstdint>
-#include <cstdio>
 #include <fstream>
 #include <iterator>
 #include <string>
 #include <vector>
 
-#include "metal_shim.h"
+#include "lockstep.h"
 
 namespace emu {
+
+struct Input {
+  std::vector<char> data;
+  std::vector<int> shape;
+  std::vector<int64_t> strides;  // in elements
+  int ndim = 0;
+
+  // CUDA kernels take the shape and strides by value, in arrays of MLX's MAX_NDIM (10).
+  std::array<int32_t, 10> padded_shape() const {
+    std::array<int32_t, 10> out{};
+    std::copy(shape.begin(), shape.end(), out.begin());
+    return out;
+  }
+  std::array<int64_t, 10> padded_strides() const {
+    std::array<int64_t, 10> out{};
+    std::copy(strides.begin(), strides.end(), out.begin());
+    return out;
+  }
+};
 
 class Launch {
  public:
@@ -25,15 +44,16 @@ class Launch {
     return d;
   }
 
-  // The next input's bytes; its shape and strides go to `shape` and `strides`.
-  std::vector<char> input(int i, std::vector<int>& shape, std::vector<int64_t>& strides, int& ndim) {
-    text_ >> ndim;
-    shape.resize(ndim);
-    strides.resize(ndim);
-    for (int& s : shape) text_ >> s;
-    for (int64_t& s : strides) text_ >> s;
+  Input input(int i) {
+    Input in;
+    text_ >> in.ndim;
+    in.shape.resize(in.ndim);
+    in.strides.resize(in.ndim);
+    for (int& s : in.shape) text_ >> s;
+    for (int64_t& s : in.strides) text_ >> s;
     std::ifstream file(dir_ + "/in" + std::to_string(i) + ".bin", std::ios::binary);
-    return {std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
+    in.data.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+    return in;
   }
 
   // The next output: its bytes start as 0xff (NaN for floats) so an element no thread writes shows.

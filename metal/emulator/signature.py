@@ -1,5 +1,7 @@
-"""The Metal source mx.fast.metal_kernel compiles for a kernel body: MLX's write_signature,
-write_template and kernel naming (mlx/backend/common/metal_kernel.cpp), line for line in Python."""
+"""The source MLX compiles around a kernel body: for mx.fast.metal_kernel its write_signature,
+write_template and kernel naming (mlx/backend/common/metal_kernel.cpp), for mx.fast.cuda_kernel
+its build_kernel (mlx/backend/cuda/custom_kernel.cpp), line for line in Python. The headers MLX
+puts first are left out: the emulation puts its shims there."""
 
 from __future__ import annotations
 
@@ -91,7 +93,7 @@ def template_definition(template: list[TemplateArg]) -> str:
     return "<" + ", ".join(_template_value(arg) for _, arg in template) + ">"
 
 
-def kernel_name(name: str, template: list[TemplateArg], inputs: list[ArrayInfo], output_dtypes: list[str]) -> str:
+def metal_kernel_name(name: str, template: list[TemplateArg], inputs: list[ArrayInfo], output_dtypes: list[str]) -> str:
     """The host name MLX gives one instantiation: template values and input/output types in the name."""
     kernel = "custom_kernel_" + name
     if template:
@@ -107,7 +109,7 @@ def kernel_name(name: str, template: list[TemplateArg], inputs: list[ArrayInfo],
     return kernel
 
 
-def kernel_source(
+def metal_kernel_source(
     name: str,
     input_names: list[str],
     output_names: list[str],
@@ -117,9 +119,9 @@ def kernel_source(
     template: list[TemplateArg],
     header: str = "",
 ) -> str:
-    """The whole Metal source of one instantiation: the signature around `source`, then the
-    explicit instantiation under its host name."""
-    func = kernel_name(name, template, inputs, output_dtypes)
+    """The Metal source of one instantiation: the signature around `source`, then the explicit
+    instantiation under its host name."""
+    func = metal_kernel_name(name, template, inputs, output_dtypes)
     infos = shape_infos(source, input_names)
     attrs = attributes(source)
     text = header
@@ -150,3 +152,48 @@ def kernel_source(
         definition = func + template_definition(template)
         text += f'\ntemplate [[host_name("{func}")]] [[kernel]] decltype({definition}) {definition};\n'
     return text
+
+
+CUDA_TYPE_NAMES = {**TYPE_NAMES, "float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+
+def cuda_kernel_name(name: str, template: list[TemplateArg]) -> str:
+    """MLX's name for one CUDA instantiation: template values appended."""
+    suffix = "".join("_" + ("t" if a else "f") if isinstance(a, bool) else f"_{a}" if isinstance(a, int)
+                     else "_" + TYPE_NAMES[a] for _, a in template)
+    return "custom_kernel_" + name + suffix
+
+
+def cuda_kernel_source(
+    name: str,
+    input_names: list[str],
+    output_names: list[str],
+    source: str,
+    inputs: list[ArrayInfo],
+    output_dtypes: list[str],
+    template: list[TemplateArg],
+    header: str = "",
+) -> str:
+    """The CUDA source of one instantiation: a __global__ function in mlx::core::cu whose template
+    arguments are constants at the top of the body."""
+    text = header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    text += f"__global__ void {cuda_kernel_name(name, template)}(\n"
+    for input_name, info, shape in zip(input_names, inputs, shape_infos(source, input_names)):
+        text += f"    const {CUDA_TYPE_NAMES[info.dtype]}* {input_name},\n"
+        if info.ndim > 0:
+            for wanted, suffix, kind in ((shape.shape, "shape", "Shape"), (shape.strides, "strides", "Strides"),
+                                         (shape.ndim, "ndim", "int")):
+                if wanted:
+                    text += f"    const __grid_constant__ {kind} {input_name}_{suffix},\n"
+    for i, (output_name, dtype) in enumerate(zip(output_names, output_dtypes)):
+        text += f"    {CUDA_TYPE_NAMES[dtype]}* {output_name}" + (",\n" if i < len(output_names) - 1 else ") {\n")
+    for constant, arg in template:
+        if isinstance(arg, bool):
+            text += f"  constexpr bool {constant} = {str(arg).lower()};\n"
+        elif isinstance(arg, int):
+            text += f"  constexpr int {constant} = {arg};\n"
+        else:
+            text += f"  using {constant} = {CUDA_TYPE_NAMES[arg]};\n"
+    if template:
+        text += "\n"
+    return text + source + "\n}\n\n} // namespace mlx::core::cu\n"
