@@ -212,8 +212,9 @@ class LLMEngine:
             if error is None:
                 try:
                     seq.token_ids.append(token)
-                    grammar_done = self.constraints.accept(seq, token)
-                    out = self.output.process(seq, token, logits[row], grammar_done)
+                    if self.constraints.accept(seq, token):
+                        self.output.requests[seq.request_id].grammar_complete = True
+                    out = self.output.process(seq, token, logits[row])
                 except Exception as exc:  # detokenizing one request must not fail the batch
                     error = f"output failed: {exc}"
             if error is not None:

@@ -45,6 +45,7 @@ class RequestState:
         self.sent = 0  # characters of text already sent
         self.first_token_time: float | None = None
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
+        self.grammar_complete = False  # set by the engine when the request's grammar has ended: it ends with it
 
     @property
     def finished(self) -> bool:
@@ -55,9 +56,8 @@ class RequestState:
         """Characters that may start a stop string, so are not sent before the next token decides."""
         return max(len(s) for s in self.seq.params.stop) - 1 if self.seq.params.stop else 0
 
-    def add_token(self, token: int, stop_token: bool, max_model_len: int, grammar_done: bool = False) -> None:
-        """Take the token just appended to the sequence: extend the text, and finish where it ends
-        (grammar_done: the request's grammar is complete)."""
+    def add_token(self, token: int, stop_token: bool, max_model_len: int) -> None:
+        """Take the token just appended to the sequence: extend the text, and finish where it ends."""
         seq, p = self.seq, self.seq.params
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
@@ -72,7 +72,7 @@ class RequestState:
                 self.text = self.text[: min(hits)]
                 self.finish_reason = "stop"
                 return
-        if grammar_done:
+        if self.grammar_complete:
             self.text += self.detokenizer.flush()
             self.finish_reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
@@ -110,13 +110,13 @@ class OutputProcessor:
     def add(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = RequestState(seq, self.tokenizer)
 
-    def process(self, seq: Sequence, token: int, logits_row: np.ndarray, grammar_done: bool = False) -> RequestOutput:
+    def process(self, seq: Sequence, token: int, logits_row: np.ndarray) -> RequestOutput:
         """The output for the token just sampled for seq (from logits_row), with logprobs if asked for."""
         p = seq.params
         logprobs = [] if p.logprobs is None else [token_logprobs(logits_row, token, p.logprobs)]
         stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.eos_token_ids)
         state = self.requests[seq.request_id]
-        state.add_token(token, stop_token, self.max_model_len, grammar_done)
+        state.add_token(token, stop_token, self.max_model_len)
         return self._emit(state, [token], logprobs)
 
     def get(self, request_id: str) -> RequestState | None:
