@@ -146,6 +146,8 @@ DIVERGENT = {
     "a lane skips a shuffle": ("dot += simd_shuffle_xor(dot, ushort(o));",
                                "if (lane != 5) {\n  dot += simd_shuffle_xor(dot, ushort(o));\n}",
                                r"lane 5\) .*shuffle"),
+    "a lane skips the barrier": (BARRIER, f"if (lane != 3) {{\n  {BARRIER}\n}}",
+                                 r"lane 3\) finished while its SIMD group waits"),
     "a SIMD group skips the barrier": (BARRIER, f"if (warp != 2) {{\n  {BARRIER}\n}}",
                                        r"SIMD group 2, lane 0\) finished while its threadgroup waits at a barrier"),
 }
