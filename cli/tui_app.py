@@ -11,6 +11,7 @@ from rich.text import Text
 from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.reactive import reactive
 from textual.containers import Container, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Header, Input, Static
@@ -91,6 +92,7 @@ class SessionPane(Vertical):
     SessionPane > .transcript > .error { color: $error; }
     """
     _request_numbers = itertools.count(1)
+    state = reactive("idle")  # what the session is doing, shown in its bottom border
 
     def __init__(self, number: int, colour: str, conversation: Conversation):
         super().__init__(id=f"session-{number}")
@@ -129,6 +131,9 @@ class SessionPane(Vertical):
         elif self.last_stats is not None:
             state = self.last_stats.summary() if self.size.width >= NARROW_SESSION else self.last_stats.brief()
         self.border_title = f"● {self.title} · t={params.temperature:g}"
+        self.state = state
+
+    def watch_state(self, state: str) -> None:
         self.border_subtitle = state
 
     def on_resize(self, event: events.Resize) -> None:

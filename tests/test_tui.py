@@ -1,6 +1,7 @@
 """`edgeserve tui`: sessions streaming together through Textual's test pilot, against the in-process engine
 and against a running server, and the real screen in tmux."""
 
+import asyncio
 import os
 import shlex
 import shutil
@@ -275,3 +276,105 @@ def test_the_real_screen_shows_sessions_and_the_kv_map(model_path, tmp_path):
             time.sleep(0.2)
     finally:
         subprocess.run(["tmux", "-L", server, "kill-server"], capture_output=True)
+
+
+# narrow screens, keys, feedback ---------------------------------------------------------------
+
+
+async def test_the_engine_panel_hides_below_120_columns_and_f2_toggles_it(aengine):
+    app = tui(EngineClient(aengine), max_tokens=8)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("ctrl+n", "ctrl+n")
+        panel, grid = app.query_one(StatusPanel), app.query_one("#sessions")
+        assert not panel.display
+        assert grid.styles.grid_size_columns == 2  # two readable columns of 40; the third session wraps
+        assert all(s.size.width >= 38 for s in app.sessions)
+
+        await pilot.press("f2")
+        await pilot.pause()
+        assert panel.display and grid.styles.grid_size_columns == 1  # beside the panel, one column fits
+
+        await pilot.press("f2")
+        await pilot.resize_terminal(160, 48)
+        await pilot.pause()
+        assert not panel.display  # F2's choice holds at any width
+        app.panel_wanted = None
+        await pilot.resize_terminal(161, 48)
+        await pilot.pause()
+        assert panel.display and grid.styles.grid_size_columns == 3
+
+
+async def test_question_mark_opens_help_on_an_empty_line_and_is_typed_otherwise(aengine):
+    app = tui(EngineClient(aengine), max_tokens=8)
+    async with app.run_test(size=(80, 24)) as pilot:
+        box = app.sessions[0].query_one(Input)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        text = screen_text(app)
+        assert "Keys" in text and "F2" in text and "/reset" in text  # the rest scrolls
+        await pilot.press("question_mark")
+        assert not isinstance(app.screen, HelpScreen)
+
+        await pilot.press("W", "h", "y", "question_mark")
+        assert box.value == "Why?" and not isinstance(app.screen, HelpScreen)
+        assert "? Help" in screen_text(app)  # the footer says so
+
+
+async def test_stats_and_the_processing_status_before_the_first_token(aengine):
+    app = tui(EngineClient(aengine), max_tokens=12)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("ctrl+n")  # two sessions side by side: 40 columns each
+        pane = app.sessions[0]
+        states: list[str] = []
+        app.watch(pane, "state", lambda state: states.append(state), init=False)
+        await send(pilot, pane, "Tell me about the sea. " * 20)  # a prompt that takes a moment
+        await wait_until(pilot, lambda: not pane.answering and pane.last_stats is not None, "the answer ends")
+
+        waiting = [s for s in states if s.startswith("processing prompt (")]
+        assert waiting == [f"processing prompt ({pane.last_stats.prompt_tokens} tokens)…"]
+        first_token = next(i for i, s in enumerate(states) if s.startswith("answering"))
+        assert states.index(waiting[0]) < first_token
+        assert states[-1] == pane.last_stats.brief() and len(states[-1]) < 36  # the short form fits the border
+
+        await send(pilot, pane, "/stats")
+        await wait_until(pilot, lambda: "KV pool" in str(pane.query(".note").last().render()), "the stats show")
+        stats = str(pane.query(".note").last().render())
+        assert "conversation: 2 messages" in stats and "last answer: 12 tokens" in stats
+
+
+async def test_the_kv_legend_says_how_many_blocks_a_cell_stands_for(model_path):
+    engine = build_engine(str(model_path), EngineConfig(backend="numpy", kv_memory="512MiB"), quiet=True)
+    big = AsyncEngine(engine)
+    try:
+        app = tui(EngineClient(big), max_tokens=8)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("f2")
+            kv_map, panel = app.query_one(KVMap), app.query_one(StatusPanel)
+            await wait_until(pilot, lambda: kv_map.blocks, "the map arrives")
+            await pilot.pause(0.2)
+            cells = kv_map.size.width * kv_map.size.height
+            per_cell = -(-len(kv_map.blocks) // cells)
+            assert per_cell > 1
+            assert f"one cell: {per_cell} blocks of 16 tokens" in str(panel.kv_legend.render())
+            drawn = str(kv_map.render()).replace("\n", "")
+            assert len(drawn) == -(-len(kv_map.blocks) // per_cell) <= cells
+    finally:
+        big.shutdown()
+
+
+async def test_quitting_while_answers_stream_leaves_no_error(aengine, caplog):
+    errors: list[dict] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+    for _ in range(8):
+        app = tui(EngineClient(aengine), max_tokens=200, ignore_eos=True)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("ctrl+n")
+            for pane in app.sessions:
+                await send(pilot, pane, LONG_PROMPT)
+            await wait_until(pilot, lambda: all(p.streamed_tokens >= 1 for p in app.sessions), "both stream")
+            await pilot.press("ctrl+q")
+        live, _ = await engine_state(aengine)
+        assert live == []  # the quit aborted both answers
+    await asyncio.sleep(0.1)
+    assert errors == []
+    assert not [r for r in caplog.records if "InvalidStateError" in r.getMessage()]
