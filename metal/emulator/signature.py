@@ -141,7 +141,7 @@ def metal_kernel_source(
                 if wanted:
                     text += f"  const constant {kind} {input_name}_{suffix} [[buffer({index})]],\n"
                     index += 1
-    for i, (output_name, dtype) in enumerate(zip(output_names, output_dtypes)):
+    for output_name, dtype in zip(output_names, output_dtypes):
         text += f"  device {TYPE_NAMES[dtype]}* {output_name} [[buffer({index})]]"
         text += ",\n" if index < len(inputs) + len(output_names) - 1 or attrs else ") {\n"
         index += 1
