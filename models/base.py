@@ -11,12 +11,16 @@ import numpy as np
 
 from edgeserve.backends.base import Array, HostWeight
 from edgeserve.batch import Batch
+from edgeserve.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from edgeserve.engine.kv_pool import KVPool
 
 Weights = dict[str, HostWeight]  # under Hugging Face names, whatever the file format
 LONGROPE = ("longrope", "su")  # rope_type of Phi-3's LongRoPE ("su" in older configs)
+# what rope_inv_freq computes; "dynamic" (NTK) changes nothing until a sequence outgrows the
+# context, which none does here
+ROPE_KINDS = {"default", "dynamic", "linear", "llama3", "factors", *LONGROPE}
 
 
 @dataclass
@@ -42,6 +46,9 @@ class ModelArgs:
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        kind = rope_kind(self)
+        if kind not in ROPE_KINDS:
+            raise ModelLoadError(f"unsupported RoPE scaling {kind!r} (supported: {', '.join(sorted(ROPE_KINDS))})")
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "ModelArgs":
@@ -97,12 +104,18 @@ class WindowedArgs(ModelArgs):
             self.sliding_window = None  # no sequence outgrows it: plain causal attention, on the fast paths
 
 
+def rope_kind(args: ModelArgs) -> str:
+    """The config's RoPE scaling type ("default" where there is none)."""
+    scaling = args.rope_scaling or {}
+    return scaling.get("rope_type", scaling.get("type")) or "default"
+
+
 def rope_inv_freq(args: ModelArgs) -> np.ndarray:
     """Inverse frequencies, with Llama 3 style scaling where the config asks for it."""
     dim = args.head_dim
     inv = 1.0 / (args.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     scaling = args.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = rope_kind(args)
     if kind == "llama3":
         factor = scaling["factor"]
         low = scaling.get("low_freq_factor", 1.0)
@@ -130,7 +143,7 @@ def rope_inv_freq(args: ModelArgs) -> np.ndarray:
 def rope_attention_factor(args: ModelArgs) -> float:
     """How much LongRoPE scales cos and sin (so q·k by its square); 1 for every other RoPE."""
     scaling = args.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) not in LONGROPE:
+    if rope_kind(args) not in LONGROPE:
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])

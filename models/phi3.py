@@ -9,7 +9,7 @@ from typing import Any
 
 from edgeserve.backends.base import Array, Backend, StepMeta
 from edgeserve.errors import ModelLoadError
-from edgeserve.models.base import LONGROPE, ModelArgs, Weights, WindowedArgs, rope_attention_factor
+from edgeserve.models.base import LONGROPE, ModelArgs, Weights, WindowedArgs, rope_attention_factor, rope_kind
 from edgeserve.models.llama import MLP, Attention, Llama
 
 
@@ -22,7 +22,7 @@ class Phi3Args(WindowedArgs):
         if scaling.get("partial_rotary_factor", 1.0) != 1.0:
             raise ModelLoadError(f"phi3 with RoPE over part of each head (partial_rotary_factor "
                                  f"{scaling['partial_rotary_factor']}, as in Phi-4-mini) is not supported")
-        if scaling.get("rope_type", scaling.get("type")) in LONGROPE:
+        if rope_kind(self) in LONGROPE:
             original = scaling.get("original_max_position_embeddings") or self.original_max_position_embeddings
             if original is None:
                 raise ModelLoadError("phi3 LongRoPE without original_max_position_embeddings")

@@ -265,6 +265,15 @@ def test_served_over_http_as_in_process(family):
     assert answer.choices[0].message.content == want
 
 
+def test_an_unsupported_rope_scaling_is_refused(tmp_path):
+    """Qwen 3's optional YaRN scaling is not computed here: refused, never run as plain RoPE."""
+    folder = family_folder("qwen3", tmp_path, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                               "original_max_position_embeddings": 16,
+                                                               "rope_theta": 1e6})
+    with pytest.raises(ModelLoadError, match="unsupported RoPE scaling 'yarn'"):
+        load_folder(folder)
+
+
 @pytest.mark.parametrize("name, shape", [
     ("qwen3", "qwen3: 2 layers, hidden 64, 4 heads / 2 KV heads x 32"),
     ("phi3", "phi3: 2 layers, hidden 64, 4 heads / 2 KV heads x 16"),
