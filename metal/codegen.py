@@ -85,7 +85,7 @@ def generate(template: str, target: str) -> str:
              "// `python -m edgeserve.metal.codegen`: edit the template, not this file.", "//"]
     for line in (HERE / f"{template}.kernel").read_text().splitlines():
         expanded = _expand_line(line, macros)
-        if expanded != [""] or not line.strip():  # a macro that expands to nothing leaves no blank line
+        if any(part.strip() for part in expanded) or not line.strip():  # a macro that expands to nothing leaves no line
             lines += [part.rstrip() for part in expanded]
     return "\n".join(lines) + "\n"
 
