@@ -2,7 +2,9 @@
 and against a running server, and the real screen in tmux."""
 
 import asyncio
+import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -234,48 +236,120 @@ def test_a_server_that_is_not_there_is_one_line_of_error():
 
 # the real screen --------------------------------------------------------------------
 
+EXIT_MARK = "tui exited with "
 
-def test_the_real_screen_shows_sessions_and_the_kv_map(model_path, tmp_path):
-    if shutil.which("tmux") is None:
-        if os.environ.get("CI"):
-            pytest.fail("tmux is missing (apt-get install tmux)")
-        pytest.skip("tmux is not installed")
-    server = f"edgeserve-test-{os.getpid()}"  # a private tmux server, whatever the user runs
-    command = shlex.join([sys.executable, "-c", "from edgeserve.cli.main import cli; cli()", "tui",
-                          "--model", str(model_path), "--backend", "numpy", "--kv-memory", "32MiB",
-                          "--temperature", "0", "--max-tokens", "8"])
 
-    def tmux(*args: str) -> str:
-        return subprocess.run(["tmux", "-L", server, *args], check=True, capture_output=True, text=True).stdout
+class TmuxScreen:
+    """`edgeserve tui` in a private tmux server at a given size; the pane stays after it exits, to read."""
 
-    def wait_for_screen(*texts: str) -> str:
+    def __init__(self, args: list[str], width: int, height: int, home, **env: str):
+        if shutil.which("tmux") is None:
+            if os.environ.get("CI"):
+                pytest.fail("tmux is missing (apt-get install tmux)")
+            pytest.skip("tmux is not installed")
+        self.server = f"edgeserve-test-{os.getpid()}-{width}x{height}"  # whatever tmux the user runs
+        command = shlex.join([sys.executable, "-c", "from edgeserve.cli.main import cli; cli()", "tui", *args])
+        env = {**os.environ, "EDGESERVE_HOME": str(home), "TERM": "xterm-256color", **env}
+        subprocess.run(["tmux", "-L", self.server, "-f", os.devnull, "new-session", "-d", "-s", "tui",
+                        "-x", str(width), "-y", str(height), f"{command}; echo {EXIT_MARK}$?; sleep 600"],
+                       check=True, env=env)
+
+    def tmux(self, *args: str) -> str:
+        return subprocess.run(["tmux", "-L", self.server, *args], check=True, capture_output=True, text=True).stdout
+
+    def screen(self, escapes: bool = False) -> str:
+        return self.tmux("capture-pane", "-p", *(["-e"] if escapes else []), "-t", "tui")
+
+    def keys(self, *keys: str) -> None:
+        self.tmux("send-keys", "-t", "tui", *keys)
+
+    def wait_for(self, *texts: str) -> str:
         deadline = time.monotonic() + TIMEOUT
         while True:
-            screen = tmux("capture-pane", "-p", "-t", "tui")
+            screen = self.screen()
             if all(t in screen for t in texts):
                 return screen
             if time.monotonic() > deadline:
                 pytest.fail(f"the screen never showed {texts}:\n{screen}")
-            time.sleep(0.5)
+            time.sleep(0.3)
 
-    env = {**os.environ, "EDGESERVE_HOME": str(tmp_path), "TERM": "xterm-256color"}
-    subprocess.run(["tmux", "-L", server, "-f", os.devnull, "new-session", "-d", "-s", "tui", "-x", "160", "-y", "45",
-                    command], check=True, env=env)
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.server, "kill-server"], capture_output=True)
+
+
+def tui_args(model_path, *more: str) -> list[str]:
+    return ["--model", str(model_path), "--backend", "numpy", "--kv-memory", "32MiB", "--temp", "0", *more]
+
+
+def test_the_real_screen_at_160x48_shows_sessions_and_the_kv_map(model_path, tmp_path):
+    tui_screen = TmuxScreen(tui_args(model_path, "-n", "8"), 160, 48, tmp_path)
     try:
-        screen = wait_for_screen("Session 1", "KV pool", "blocks × 16 tokens")
+        screen = tui_screen.wait_for("Session 1", "KV pool", "blocks × 16 tokens", "one cell: 1 block of 16 tokens")
         assert "model    SmolLM2-135M-Instruct.Q4_1.gguf" in screen
         assert "backend  numpy" in screen
-        tmux("send-keys", "-t", "tui", "Hi!", "Enter")
-        wait_for_screen("TTFT")
-        tmux("send-keys", "-t", "tui", "C-n")
-        wait_for_screen("Session 2")
-        tmux("send-keys", "-t", "tui", "C-q")
-        deadline = time.monotonic() + 30
-        while subprocess.run(["tmux", "-L", server, "has-session", "-t", "tui"], capture_output=True).returncode == 0:
-            assert time.monotonic() < deadline, "Ctrl+Q did not quit"
-            time.sleep(0.2)
+        tui_screen.keys("Hi!", "Enter")
+        tui_screen.wait_for("TTFT", "tokens/s · prompt")  # wide: the whole summary
+        tui_screen.keys("C-n")
+        screen = tui_screen.wait_for("Session 2")
+        assert any("Session 1" in line and "Session 2" in line and "engine" in line for line in screen.splitlines())
+        tui_screen.keys("C-q")
+        screen = tui_screen.wait_for(EXIT_MARK)
+        assert f"{EXIT_MARK}0" in screen and "Traceback" not in screen
     finally:
-        subprocess.run(["tmux", "-L", server, "kill-server"], capture_output=True)
+        tui_screen.close()
+
+
+def test_the_real_screen_at_80x24(model_path, tmp_path):
+    saved = tmp_path / "fruit.json"
+    saved.write_text(json.dumps([
+        {"role": "user", "content": "Fruit?"},
+        {"role": "assistant", "content": "Three:\n\n- **apples**\n- pears\n\n```\nplums = 3\n```"}]))
+    tui_screen = TmuxScreen(tui_args(model_path, "-n", "200"), 80, 24, tmp_path)
+    try:
+        screen = tui_screen.wait_for("Session 1", "? Help", "f2 Engine")
+        assert "KV pool" not in screen  # the engine panel stays out of the way below 120 columns
+
+        tui_screen.keys(f"/load {saved}", "Enter")
+        screen = tui_screen.wait_for("• apples")
+        assert "**" not in screen and "```" not in screen and "plums = 3" in screen  # Markdown, drawn
+
+        tui_screen.keys("C-n")
+        screen = tui_screen.wait_for("Session 2")
+        assert any("Session 1" in line and "Session 2" in line for line in screen.splitlines())  # side by side
+
+        tui_screen.keys("F2")
+        tui_screen.wait_for("KV pool", "one cell: 1 block of 16 tokens")
+        tui_screen.keys("F2")
+        tui_screen.keys("?")
+        tui_screen.wait_for("Keys", "show or hide the engine panel")
+        tui_screen.keys("?")  # closes it too (a lone Esc would wait to see if a sequence follows)
+        tui_screen.wait_for("f2 Engine")
+
+        tui_screen.keys(LONG_PROMPT, "Enter")
+        tui_screen.wait_for("answering ·")
+        tui_screen.keys("C-q")  # while the answer streams
+        screen = tui_screen.wait_for(EXIT_MARK)
+        assert f"{EXIT_MARK}0" in screen
+        assert "Traceback" not in screen and "InvalidStateError" not in screen
+    finally:
+        tui_screen.close()
+
+
+def _palette(screen: str) -> set[int]:
+    """The 256-colour indices a screen capture uses, foreground and background."""
+    return {int(n) for n in re.findall(r"\x1b\[[0-9;]*?[34]8;5;(\d+)", screen)}
+
+
+@pytest.mark.parametrize("no_color", [False, True], ids=["colour", "NO_COLOR"])
+def test_no_color_turns_the_screen_grey(model_path, tmp_path, no_color):
+    env = {"NO_COLOR": "1"} if no_color else {}
+    tui_screen = TmuxScreen(tui_args(model_path), 80, 24, tmp_path, **env)
+    try:
+        tui_screen.wait_for("Session 1")
+        colours = {n for n in _palette(tui_screen.screen(escapes=True)) if not 232 <= n <= 255 and n not in (16, 231)}
+        assert (colours == set()) == no_color
+    finally:
+        tui_screen.close()
 
 
 # narrow screens, keys, feedback ---------------------------------------------------------------
