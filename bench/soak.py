@@ -362,7 +362,10 @@ def _print(r: dict) -> None:
               f"stream TTFT p50 {r['ttft_p50_s'] or float('nan'):.2f}s")
     print(f"KV blocks leaked: {r['kv_blocks_leaked']}; requests left running: {r['requests_left_running']}; "
           f"preemptions: {r['preemptions']:g}; server 5xx: {r['server_5xx']}; tracebacks: {r['tracebacks_in_log']}")
-    print("server RSS (s: MiB): " + ", ".join(f"{t}: {m}" for t, m in r["rss_mib"]))
+    rss = r["rss_mib"]
+    half = min(rss, key=lambda sample: abs(sample[0] - rss[-1][0] / 2))
+    print(f"server RSS: {rss[0][1]} MiB at the start, {rss[1][1]} after {rss[1][0]}s, {half[1]} at {half[0]}s, "
+          f"{rss[-1][1]} at the end ({rss[-1][1] - half[1]:+.1f} MiB over the second half)")
     print(f"SIGTERM: exit status {r['sigterm_exit_status']} after {r['sigterm_drain_s']}s")
 
 
