@@ -126,3 +126,22 @@ def test_sentencepiece_vocabularies_take_grammars(spm_model) -> None:
     assert accepts(r" the (quick|lazy) dog", "the lazy dog")
     assert not accepts(r" the (quick|lazy) dog", "the brown dog")
     assert accepts(r" Z.rich 😀", "Zürich 😀")  # pieces of raw bytes (byte fallback) spell what the vocabulary lacks
+
+
+def test_a_failing_mask_fails_its_rows_alone(tiny_model, monkeypatch) -> None:
+    engine = LLMEngine(tiny_model, backend="numpy", kv_memory="16MiB")
+    free = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = run(engine, {"free": ([5, 6, 7], free)})["free"].token_ids
+
+    def broken(*_: object) -> None:  # a fault inside the grammar engine, injected
+        raise RuntimeError("mask buffer lost")
+
+    monkeypatch.setattr(engine.constraints, "_fill", broken)
+    engine.add_request([5, 6, 7], free, "free")
+    engine.add_request([8, 9], SamplingParams(max_tokens=6, regex="[ab]+"), "constrained")
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert [t for out in outputs["free"] for t in out.token_ids] == expected and outputs["free"][-1].error is None
+    assert "grammar mask failed: mask buffer lost" in outputs["constrained"][-1].error

@@ -152,14 +152,21 @@ class Constraints:
         fill_next_token_bitmask_par(self._executor, rows, bitmask)  # llguidance's threads, without the GIL
         return [i for _, i in rows], bitmask
 
-    def apply(self, logits: np.ndarray, pending: Future | None) -> None:
-        """Set the logits the constrained rows' grammars forbid to MASKED_LOGIT, in place."""
+    def apply(self, logits: np.ndarray, pending: Future | None, seqs: list[Sequence]) -> dict[int, str]:
+        """Set the logits the constrained rows' grammars forbid to MASKED_LOGIT, in place.
+
+        Returns the rows whose masks could not be computed, with why: those requests fail, the rest go on.
+        """
         if pending is None:
-            return
-        rows, bitmask = pending.result()
+            return {}
+        try:
+            rows, bitmask = pending.result()
+        except Exception as exc:  # the grammar engine failing must not fail the free rows
+            return {i: f"grammar mask failed: {exc}" for i, seq in enumerate(seqs) if seq.request_id in self._matchers}
         forbidden = np.unpackbits(~bitmask[rows].view(np.uint8), axis=1, bitorder="little").view(bool)
         for row, mask in zip(rows, forbidden):
             np.copyto(logits[row], MASKED_LOGIT, where=mask[: logits.shape[1]])
+        return {}
 
     def accept(self, seq: Sequence, token: int) -> bool:
         """Advance seq's grammar by its sampled token; True when the grammar is complete.

@@ -162,8 +162,9 @@ class LLMEngine:
         sampling = [item.seq for item in scheduled if item.samples]
         masks = self.constraints.start_masks(sampling)  # computed while the model runs
         logits = self._run(scheduled)
-        self.constraints.apply(logits, masks)
+        unmasked = self.constraints.apply(logits, masks, sampling)
         tokens, failed = sample(logits, sampling)
+        failed = {**failed, **unmasked}
         self._update(scheduled)
         return self._outputs(sampling, tokens, logits, failed)
 
