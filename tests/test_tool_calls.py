@@ -51,6 +51,8 @@ def test_written_calls_parse_back_and_the_grammar_takes_them(fmt, llt, loaded_mo
     assert not matches(llt, tokenizer, fmt.grammar([TIME], True), fmt.write(CALLS[:1]))
     bad = ToolCall("get_weather", '{"city": "Paris", "unit": "kelvin"}')
     assert not matches(llt, tokenizer, fmt.grammar([WEATHER], False), fmt.write([bad]))
+    # JSON as the engine writes it: no free whitespace, which a small model could pour out without end
+    assert not matches(llt, tokenizer, fmt.grammar([WEATHER], False), fmt.write(CALLS[:1]).replace(", ", ",\n  "))
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)

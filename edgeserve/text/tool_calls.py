@@ -13,6 +13,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from edgeserve.engine.constraints import JSON_OPTIONS
+
 _DECODER = json.JSONDecoder()
 _SEPARATORS = " \t\r\n;,"
 
@@ -57,11 +59,12 @@ def _tool_schema(tool: dict, args_key: str) -> dict:
 
 
 def _json_rule(schema: dict) -> str:
-    return f"%json {json.dumps(schema, ensure_ascii=False)}"
+    """A Lark rule for JSON following schema, written as the engine writes JSON (JSON_OPTIONS)."""
+    return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS}, ensure_ascii=False)}"
 
 
 class ToolCallFormat:
-    """How a model family writes tool calls; `marker` opens them (Llama 3 has none: the message is the call)."""
+    """How a model family writes tool calls; `marker` opens them (optional for Llama 3, whose answer may be the call)."""
 
     name = ""
     marker = ""
