@@ -40,25 +40,49 @@ def sample_row(logits: np.ndarray, seq: Sequence) -> int:
     masked = logits <= -LOGIT_LIMIT
     with np.errstate(over="ignore"):  # extreme penalties overflow to inf, clipped below: inf - inf is NaN
         logits = apply_penalties(logits.astype(np.float64), seq)
-    logits = np.clip(np.nan_to_num(logits, nan=-LOGIT_LIMIT), -LOGIT_LIMIT, LOGIT_LIMIT)
+    np.clip(logits, -LOGIT_LIMIT, LOGIT_LIMIT, out=logits)
+    logits[np.isnan(logits)] = -LOGIT_LIMIT
     logits[masked] = -np.inf
     if p.greedy:
         return int(np.argmax(logits))
-    logits = logits / p.temperature
-    if 0 < p.top_k < logits.size:
-        kth = np.partition(logits, -p.top_k)[-p.top_k]
-        logits = np.where(logits < kth, -np.inf, logits)
-    probs = np.exp(logits - logits.max())
-    probs /= probs.sum()
+    x = logits / p.temperature
+    if 0 < p.top_k < x.size:
+        x[x < np.partition(x, -p.top_k)[-p.top_k]] = -np.inf
+    best = x.max()
+    if not np.isfinite(best):
+        raise ValueError("no token is allowed")
+    x -= best
+    # A whole vocabulary per row: float32's exp is vectorized (float64's is not), then the sums run in float64.
+    probs = np.exp(x.astype(np.float32)).astype(np.float64)
     if p.min_p > 0.0:
-        probs = np.where(probs < p.min_p * probs.max(), 0.0, probs)
+        probs[probs < p.min_p * probs.max()] = 0.0
     if p.top_p < 1.0:
-        order = np.argsort(-probs)
+        keep_top_p(probs, p.top_p)
+    cdf = np.cumsum(probs)
+    cdf /= cdf[-1]
+    return int(np.searchsorted(cdf, seq.rng.random(), side="right"))  # Generator.choice's draw, less its checks
+
+
+def keep_top_p(probs: np.ndarray, top_p: float) -> None:
+    """Zero, in place, all but the smallest set of most likely tokens that reaches top_p of the total.
+
+    The set is nearly always within the few hundred most likely tokens: those are sorted first, and
+    more only where they fall short (a full sort of the vocabulary costs more than a decode step)."""
+    target = top_p * probs.sum()
+    m = 256
+    while True:
+        if m >= probs.size:
+            order = np.argsort(-probs)
+        else:
+            order = np.argpartition(-probs, m)[:m]
+            order = order[np.argsort(-probs[order])]
         cum = np.cumsum(probs[order])
-        cut = order[np.searchsorted(cum, p.top_p * cum[-1]) + 1 :]  # keep the smallest set reaching top_p
-        probs[cut] = 0.0
-    probs /= probs.sum()
-    return int(seq.rng.choice(probs.size, p=probs))
+        if cum[-1] >= target or m >= probs.size:
+            break
+        m *= 8
+    keep = np.zeros(probs.size, dtype=bool)
+    keep[order[: np.searchsorted(cum, target) + 1]] = True
+    probs[~keep] = 0.0
 
 
 def needs_processing(seq: Sequence) -> bool:
