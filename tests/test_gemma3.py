@@ -16,6 +16,7 @@ import numpy as np
 import openai
 import pytest
 
+from edgeserve.backends import get_backend
 from edgeserve.config import EngineConfig
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.llm_engine import LLMEngine
@@ -146,6 +147,31 @@ def test_quantized_kernels_stay_near_transformers(gemma):
         last = quantized.prompt_logits(ref["prompt_ids"])[-1]
         ids, values = np.asarray(ref["step_logits_top10"][0]).T
         assert np.abs(last[ids.astype(int)] - values).max() < 0.1
+
+
+def test_final_logit_soft_capping_where_configured(gemma):
+    """Gemma 3's configs have none (Gemma 2's have 30): with one, the logits are cap * tanh(logits / cap)."""
+    capped = dataclasses.replace(gemma.args, final_logit_softcapping=30.0)
+    ids = CASES[0]["prompt_ids"]
+    plain, soft = (LLMEngine(LoadedModel(a, gemma.weights, gemma.tokenizer, gemma.source, gemma.format),
+                             backend="numpy", kv_memory="32MiB").prompt_logits(ids) for a in (gemma.args, capped))
+    np.testing.assert_allclose(soft, 30.0 * np.tanh(plain / 30.0), rtol=1e-5, atol=1e-5)
+    assert np.abs(soft - plain).max() > 1.0
+
+
+@pytest.mark.parametrize("backend", ["numpy", "mlx"])
+def test_gelu_tanh_gate_and_soft_cap_ops(backend):
+    if backend == "mlx":
+        pytest.importorskip("mlx.core", reason="MLX is not installed: MLX backend not tested")
+    be = get_backend(backend)
+    gate_up = np.random.default_rng(0).standard_normal((5, 2 * 96)).astype(np.float32) * 4
+    g, u = gate_up[:, :96].astype(np.float64), gate_up[:, 96:]
+    want = 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u
+    as_array = be.vector if backend == "mlx" else np.asarray
+    tol = 1e-5 if be.kv_dtype_bytes == 4 else 2e-2  # float16 activations on a GPU
+    np.testing.assert_allclose(be.to_numpy(be.gelu_tanh_mul(as_array(gate_up))), want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(be.to_numpy(be.soft_cap(as_array(gate_up), 5.0)), 5 * np.tanh(gate_up / 5.0),
+                               rtol=tol, atol=tol)
 
 
 def test_chat_template_renders_gemma_turns(gemma):
