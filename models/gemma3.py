@@ -67,7 +67,7 @@ class Gemma3Args(ModelArgs):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Gemma3Args:
         """Also reads transformers 5's per-layer-type rope_parameters and its `_sliding_window_pattern`."""
-        config = dict(config.get("text_config", config))
+        config = dict(config)
         rope = config.pop("rope_parameters", None) or {}
         if FULL in rope:
             config.setdefault("rope_theta", rope[FULL].get("rope_theta", cls.rope_theta))
@@ -97,20 +97,15 @@ class Gemma3Attention(Attention):
         attention.q_scale = math.sqrt(args.head_dim / args.query_pre_attn_scalar)
         return attention
 
-    def __call__(self, be: Backend, x: Array, layer: int, kv: KVPool, meta: StepMeta) -> Array:
-        n_q, n_kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = be.matmul(x, self.qkv)
-        t = qkv.shape[0]
-        q = be.rms_norm(qkv[:, : n_q * hd].reshape(t * n_q, hd), self.q_norm, self.eps)
-        k = be.rms_norm(qkv[:, n_q * hd : (n_q + n_kv) * hd].reshape(t * n_kv, hd), self.k_norm, self.eps)
+    def position(self, be: Backend, qk: Array, meta: StepMeta) -> tuple[Array, Array]:
+        """Each head's RMSNorm (q and k heads with their own weights), RoPE, then the query scale."""
+        t, n_q, n_kv, hd = qk.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        q = be.rms_norm(qk[:, :n_q].reshape(t * n_q, hd), self.q_norm, self.eps)
+        k = be.rms_norm(qk[:, n_q:].reshape(t * n_kv, hd), self.k_norm, self.eps)
         q = be.apply_rope(q.reshape(t, n_q, hd), meta)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        k = be.apply_rope(k.reshape(t, n_kv, hd), meta)
-        v = qkv[:, (n_q + n_kv) * hd :].reshape(t, n_kv, hd)
-        kv.write(layer, k, v, meta)
-        o = be.paged_attention(q, kv.k[layer], kv.v[layer], meta, self.window)
-        return be.matmul(o.reshape(t, n_q * hd), self.o)
+        return q, be.apply_rope(k.reshape(t, n_kv, hd), meta)
 
 
 @dataclass
