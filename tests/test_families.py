@@ -158,6 +158,19 @@ def test_gguf_loads_to_the_same_model(family, tmp_path):
     assert worst_difference(engine, reference(name)) <= TOLERANCE
 
 
+def test_a_phi3_gguf_keeps_its_window_and_longrope(tmp_path):
+    """phi3.attention.sliding_window and the LongRoPE tensors and keys come back as the folder had them."""
+    folder = load_folder(family_folder("phi3", tmp_path, sliding_window=8))
+    from_gguf = load_gguf(write_gguf(folder, "phi3", tmp_path / "phi3.gguf"))
+    assert from_gguf.args.sliding_window == folder.args.sliding_window == 8
+    assert from_gguf.args.rope_scaling["original_max_position_embeddings"] == 16
+    engine = LLMEngine(folder, backend="numpy", weights="float32", kv_memory="16MiB")
+    cases = [(ids, engine.prompt_logits(ids)) for ids, _ in reference("phi3")]
+    assert worst_difference(engine, reference("phi3")) > 100 * TOLERANCE  # the window counts
+    assert worst_difference(LLMEngine(from_gguf, backend="numpy", weights="float32", kv_memory="16MiB"),
+                            cases) <= TOLERANCE
+
+
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0])
 def test_quantized_gguf_runs_from_its_blocks(family, tmp_path, qtype):
     """A quantized GGUF of the family on the NumPy kernels that compute from the blocks, and on MLX:
