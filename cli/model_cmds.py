@@ -6,11 +6,12 @@ import json
 
 import click
 
-from edgeserve.backends import BACKENDS, WEIGHT_MODES, resident_weight_bytes
+from edgeserve.backends import WEIGHT_MODES, resident_weight_bytes
 from edgeserve.engine.kv_pool import kv_bytes_per_token
 from edgeserve.metal import active_attention_path
 from edgeserve.metal.launch_limits import describe_attention
 from edgeserve.cli.local_models import as_json, find_local, list_local, remove_local
+from edgeserve.cli.options import BackendChoice
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, local_path, pull as pull_model
 from edgeserve.models.loader import load_model
@@ -43,6 +44,8 @@ def models(json_out: bool) -> None:
     click.echo("local (the name is what --model takes):")
     for m in local:
         click.echo(f"  {m.name:28} {format_size(m.size_bytes):>10}  {m.kind}" + (f": {m.detail}" if m.detail else ""))
+        if m.path != m.name:
+            click.echo(f"  {'':28} {m.path}")
 
 
 @click.command("rm")
@@ -64,7 +67,7 @@ def rm(names: tuple[str, ...], yes: bool) -> None:
 @click.option("--sessions", "-s", default=4, show_default=True, help="Concurrent sessions to size memory for.")
 @click.option("--ctx-size", "-c", "context", default=4096, show_default=True, type=click.IntRange(min=1),
               help="Tokens per session.")
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+@click.option("--backend", type=BackendChoice(), default="auto", show_default=True,
               help="Backend whose attention path to report.")
 def info(model_argument: str | None, model: str | None, sessions: int, context: int, backend: str) -> None:
     """Architecture, size, quantization, KV bytes per token and memory for N sessions of C tokens."""

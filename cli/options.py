@@ -11,9 +11,22 @@ import click
 from edgeserve.backends import BACKENDS, WEIGHT_MODES
 from edgeserve.config import DEFAULT_KV_MEMORY, EngineConfig
 from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.models.loader import load_model
 from edgeserve.sampling_params import SamplingParams
+
+
+class BackendChoice(click.Choice):
+    """The backends, listed in --help; an unknown one is the one-line error every command gives."""
+
+    def __init__(self) -> None:
+        super().__init__(BACKENDS)
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> object:
+        if value not in self.choices:
+            raise EdgeserveError(f"unknown backend {value!r} (choose from {', '.join(self.choices)})")
+        return value
 
 
 def model_options(run: Callable) -> Callable:
@@ -36,7 +49,7 @@ def model_options(run: Callable) -> Callable:
     f = click.option("--weights", type=click.Choice(["auto", *WEIGHT_MODES]), default="auto", show_default=True,
                      help="NumPy backend: compute from the quantized storage (least memory, fastest where "
                           "the C kernels built) or float32 copies (the exact reference); auto picks.")(f)
-    f = click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+    f = click.option("--backend", type=BackendChoice(), default="auto", show_default=True,
                      help="Array backend: auto takes MLX on a GPU, NumPy on the CPU.")(f)
     f = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
                      help="Catalog name, local GGUF file or model folder, or Hugging Face hub id.")(f)

@@ -188,6 +188,7 @@ class SessionPane(Vertical):
             self.add_line("still answering; Esc stops the answer", "error")
             return
         self.add_line(text, "user")
+        self.streamed_tokens, self.prompt_tokens = 0, None  # the last answer's figures are not this one's
         self.worker = self.run_worker(self._answer(text), exit_on_error=False)
         self.update_title()
 
@@ -221,7 +222,6 @@ class SessionPane(Vertical):
                 self.query_one(".transcript", VerticalScroll).scroll_end(animate=False)
                 self.update_title()
 
-        self.streamed_tokens = 0
         self.prompt_tokens = self.app.client.count_tokens(self.conversation.messages())
         self.request_id = f"session{self.number}-{next(self._request_numbers)}"
         self.update_title()
