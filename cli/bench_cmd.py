@@ -110,7 +110,7 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
         for n in _stream_counts(streams):
             requests = workloads.uniform_workload(tok, n, 128, 128, seed)
             e = LLMEngine(loaded, config, max_num_seqs=max(n, max_batch), max_num_batched_tokens=max(512, n))
-            r = workloads.run_engine(e, requests, f"{n} streams").summary()
+            r = workloads.run_engine(e, requests, f"{n} stream{'s' if n > 1 else ''}").summary()
             rows.append({"streams": n, "decode_tokens_per_s": r["decode_tokens_per_s"],
                          "output_tokens_per_s": r["output_tokens_per_s"], "tpot_p50_s": r["tpot_p50_s"]})
         results["sweep"] = rows

@@ -217,5 +217,5 @@ def test_bench_shows_progress_within_a_request_and_tables_in_ms(model_path):
     assert result.exit_code == 0, result.output
     done = [int(n) for n in re.findall(r"(\d+)/128 \[", result.stderr)]
     assert any(0 < n < 128 for n in done)  # the bar moved while the one request ran
-    assert "1 streams" in result.stderr
+    assert "1 stream:" in result.stderr
     assert "time per output token p50 (ms)" in result.stderr and "output tokens/s" in result.stderr
