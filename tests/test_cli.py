@@ -219,3 +219,13 @@ def test_bench_shows_progress_within_a_request_and_tables_in_ms(model_path):
     assert any(0 < n < 128 for n in done)  # the bar moved while the one request ran
     assert "1 stream:" in result.stderr
     assert "time per output token p50 (ms)" in result.stderr and "output tokens/s" in result.stderr
+
+
+def test_eval_perplexity_scores_windows_as_long_as_its_context(model_path, tmp_path):
+    """-c sets the window and the context alike: a window of exactly -c tokens is scored, not refused."""
+    text = tmp_path / "text.txt"
+    text.write_text(SHIPPED_TEXT.read_text(encoding="utf-8")[:2000], encoding="utf-8")
+    result = invoke("eval", "perplexity", "--model", str(model_path), *ENGINE, "-c", "64", "--text", str(text))
+    assert result.exit_code == 0, result.output
+    figures = re.search(r"perplexity ([\d.]+) over (\d+) tokens \((\d+) windows, ctx 64, stride 32\)", result.output)
+    assert figures and 1 < float(figures[1]) < 200 and int(figures[3]) > 2

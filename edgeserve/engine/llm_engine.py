@@ -104,12 +104,13 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
 
-    def check_prompt(self, prompt_ids: list[int]) -> None:
-        """Raise PromptTooLongError when the prompt cannot run even alone."""
+    def check_prompt(self, prompt_ids: list[int], scored_only: bool = False) -> None:
+        """Raise PromptTooLongError when the prompt cannot run even alone (with room for a token after
+        it, unless it is only scored)."""
         if not prompt_ids:
             raise EdgeserveError("the prompt is empty")
         n = len(prompt_ids)
-        if n >= self.context_len:
+        if n + (0 if scored_only else 1) > self.context_len:
             raise PromptTooLongError(
                 f"prompt has {n} tokens but the model's context is {self.context_len} tokens")
         need = blocks_for(n + 1, self.pool_size.block_size)
@@ -238,7 +239,7 @@ class LLMEngine:
 
         Runs outside the scheduler, so call it only while no requests are in flight.
         """
-        self.check_prompt(token_ids)
+        self.check_prompt(token_ids, scored_only=True)
         seq = Sequence("score", list(token_ids), SamplingParams(max_tokens=1))
         if not self.block_manager.allocate_slots(seq, len(token_ids)):
             raise PromptTooLongError(f"{len(token_ids)} tokens do not fit in the free KV blocks")
