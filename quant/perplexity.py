@@ -47,9 +47,10 @@ def windows(n_tokens: int, ctx: int, stride: int) -> list[tuple[int, int, int]]:
 
 
 def perplexity(
-    engine: LLMEngine, ids: list[int], ctx: int = 512, stride: int | None = None, progress: bool = True
+    engine: LLMEngine, ids: list[int], ctx: int = 512, stride: int | None = None, progress: bool = True,
+    label: str = "perplexity",
 ) -> PerplexityResult:
-    """Perplexity of the token ids under the engine's model.
+    """Perplexity of the token ids under the engine's model; `label` names its progress bar.
 
     Uses `engine.prompt_logits`, so no requests may be running on the engine meanwhile.
     """
@@ -62,7 +63,7 @@ def perplexity(
         raise EdgeserveError("the text must be at least 2 tokens long to measure perplexity")
     spans = windows(len(ids), ctx, stride)
     nll_sum, count = 0.0, 0
-    with tqdm(spans, unit="window", desc="perplexity", disable=not progress) as bar:
+    with tqdm(spans, unit="window", desc=label, disable=not progress) as bar:
         for begin, end, first in bar:
             logits = engine.prompt_logits(ids[begin:end]).astype(np.float64)
             # The row of position p predicts the token at p + 1.
@@ -78,7 +79,8 @@ def perplexity(
 
 
 def text_perplexity(
-    engine: LLMEngine, text: str, ctx: int = 512, stride: int | None = None, progress: bool = True
+    engine: LLMEngine, text: str, ctx: int = 512, stride: int | None = None, progress: bool = True,
+    label: str = "perplexity",
 ) -> PerplexityResult:
     """Perplexity of a text, tokenized the way the model tokenizes a raw prompt."""
-    return perplexity(engine, engine.tokenizer.encode(text), ctx, stride, progress)
+    return perplexity(engine, engine.tokenizer.encode(text), ctx, stride, progress, label)

@@ -48,13 +48,14 @@ def layer_error_table(errors: dict[str, float]) -> str:
 
 
 def model_perplexity(
-    model: LoadedModel, text: str, ctx: int = REPORT_CTX, backend: str = "auto", progress: bool = True
+    model: LoadedModel, text: str, ctx: int = REPORT_CTX, backend: str = "auto", progress: bool = True,
+    label: str = "perplexity",
 ) -> tuple[PerplexityResult, str]:
     """Perplexity of a loaded model on a text, and the name of the backend that computed it."""
     # The KV pool needs one window (plus a block of slack) at float32, the widest KV dtype.
     kv_bytes = kv_bytes_per_token(model.args, 4) * (ctx + 64)
     engine = LLMEngine(model, backend=backend, kv_memory=kv_bytes)
-    return text_perplexity(engine, text, ctx, progress=progress), engine.backend.name
+    return text_perplexity(engine, text, ctx, progress=progress, label=label), engine.backend.name
 
 
 def quality_report(
@@ -69,8 +70,8 @@ def quality_report(
     of source and result on a text (by default the one that ships with edgeserve)."""
     text = text_path.read_text(encoding="utf-8")
     title = SHIPPED_TEXT_TITLE if text_path == SHIPPED_TEXT else str(text_path)
-    before, backend_name = model_perplexity(source, text, ctx, backend, progress)
-    after, _ = model_perplexity(load_folder(result.out), text, ctx, backend, progress)
+    before, backend_name = model_perplexity(source, text, ctx, backend, progress, "perplexity 1/2: source")
+    after, _ = model_perplexity(load_folder(result.out), text, ctx, backend, progress, "perplexity 2/2: converted")
     change = 100 * (after.perplexity / before.perplexity - 1)
     return "\n".join([
         f"Quality of {result.out} ({result.describe()}) against {source.source.name}",

@@ -205,14 +205,16 @@ def test_quantized_weights_mode_matches_float32(loaded_model, source_logits, sho
     assert float32 == 4 * (loaded_model.num_parameters + head[0] * head[1]) and quantized < float32 / 4
 
 
-def test_quality_report_of_a_requantized_model(loaded_model, tmp_path):
+def test_quality_report_of_a_requantized_model(loaded_model, tmp_path, capsys):
     result = convert(loaded_model, tmp_path / "g64", bits=4, group_size=64, measure_errors=True, progress=False)
     errors = dict(result.relative_errors)
     assert 0 < errors.pop("model.embed_tokens.weight") < 0.01  # Q8_0 groups of 32 regrouped by 64 at 8 bits
     assert len(errors) == 7 * 30 and all(0.01 < e < 0.5 for e in errors.values())  # likewise Q4_1 at 4 bits
     text = tmp_path / "text.txt"
     text.write_text(SHIPPED_TEXT.read_text(encoding="utf-8")[:250], encoding="utf-8")
-    report = quality_report(loaded_model, result, text_path=text, ctx=64, backend="numpy", progress=False)
+    report = quality_report(loaded_model, result, text_path=text, ctx=64, backend="numpy")
+    progress = capsys.readouterr().err
+    assert progress.index("perplexity 1/2: source") < progress.index("perplexity 2/2: converted")
     lines = report.splitlines()
     assert lines[0].startswith(f"Quality of {result.out} (4-bit, group 64; model.embed_tokens 8-bit, group 64)")
     assert [line.split()[0] for line in lines if line[:5].strip().isdigit()] == [str(i) for i in range(30)]
