@@ -1,10 +1,13 @@
 """Shared fixtures: a tiny random model for fast tests, and the real default model, pulled once into the cache."""
 
+import io
 import json
+import random
 from pathlib import Path
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 import tokenizers
 
 from edgeserve.backends import qmatmul as qm
@@ -67,6 +70,35 @@ def tiny_model_from(folder: Path, seed: int = 0) -> LoadedModel:
             p + "mlp.down_proj.weight": w(h, f),
         })
     return LoadedModel(args, weights, tokenizer, folder, "safetensors")
+
+
+SPM_WORDS = (
+    "the quick brown fox jumps over lazy dog hello world café naïve über 東京 日本語 テスト".split()
+)
+
+
+@pytest.fixture(scope="session")
+def spm_model(tmp_path_factory) -> tuple[Path, spm.SentencePieceProcessor]:
+    """A tiny Llama-style SentencePiece BPE model (identity normalizer, byte fallback)."""
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(SPM_WORDS) for _ in range(12)) for _ in range(300)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus),
+        model_writer=model,
+        vocab_size=340,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        control_symbols=["<|im_end|>"],
+        user_defined_symbols=["<|im_start|>"],
+        minloglevel=2,
+    )
+    folder = tmp_path_factory.mktemp("spm")
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    return folder, spm.SentencePieceProcessor(model_proto=model.getvalue())
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.llm import LLM
 from edgeserve.sampling_params import InvalidParamsError, SamplingParams
 from edgeserve.text.tokenizer import Tokenizer
-from test_tokenizer import spm_model  # noqa: F401 (a fixture: a tiny SentencePiece model)
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16},

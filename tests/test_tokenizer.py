@@ -1,12 +1,9 @@
 """Tokenizer (GGUF and Hugging Face folders; byte-level BPE and SentencePiece) and detokenizer."""
 
-import io
 import json
-import random
 from pathlib import Path
 
 import pytest
-import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 
 from edgeserve.text.detokenizer import IncrementalDetokenizer
@@ -163,9 +160,6 @@ def test_from_dir_without_tokenizer_files(tmp_path):
 
 # --- SentencePiece vocabularies ----------------------------------------------------------------
 
-SPM_WORDS = (
-    "the quick brown fox jumps over lazy dog hello world café naïve über 東京 日本語 テスト".split()
-)
 SPM_TEXTS = [
     "the lazy dog jumps over the quick brown fox",
     "hello world, café über alles",
@@ -174,30 +168,6 @@ SPM_TEXTS = [
     "line one\nline two\ttab",
     "",
 ]
-
-
-@pytest.fixture(scope="module")
-def spm_model(tmp_path_factory) -> tuple[Path, spm.SentencePieceProcessor]:
-    """A tiny Llama-style SentencePiece BPE model (identity normalizer, byte fallback)."""
-    rng = random.Random(0)
-    corpus = [" ".join(rng.choice(SPM_WORDS) for _ in range(12)) for _ in range(300)]
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus),
-        model_writer=model,
-        vocab_size=340,
-        model_type="bpe",
-        byte_fallback=True,
-        character_coverage=1.0,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        control_symbols=["<|im_end|>"],
-        user_defined_symbols=["<|im_start|>"],
-        minloglevel=2,
-    )
-    folder = tmp_path_factory.mktemp("spm")
-    (folder / "tokenizer.model").write_bytes(model.getvalue())
-    return folder, spm.SentencePieceProcessor(model_proto=model.getvalue())
 
 
 def _as_gguf_metadata(model_file: Path) -> dict:
