@@ -28,6 +28,7 @@ from edgeserve.sampling_params import SamplingParams
 from edgeserve.server.app import create_app
 from edgeserve.text.chat_template import ChatTemplate, ChatTemplateError
 from loopback import ServerThread
+from mlx_parity import LOGITS_TOLERANCE, assert_same_up_to_near_tie
 
 NAME = "gemma3-270m"
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -258,8 +259,6 @@ def mlx_engine(gemma) -> LLMEngine:
 def test_mlx_matches_numpy_and_transformers(engine, mlx_engine):
     """Within the bounds the MLX tests hold Llama to (test_mlx_backend): logits near NumPy's, and the
     greedy tokens transformers gives (short prompts: MLX on the CPU is slow at Gemma's 262k-entry head)."""
-    from test_mlx_backend import LOGITS_TOLERANCE, assert_same_up_to_near_tie
-
     tolerance = LOGITS_TOLERANCE[mlx_engine.backend.kv_dtype_bytes]
     prompts = [CASES[i]["prompt_ids"] for i in SHORT]
     for ids in prompts[:2]:
@@ -275,7 +274,5 @@ def test_mlx_sliding_window_matches_numpy(gemma, mlx_engine):
     ids = max((CASES[i]["prompt_ids"] for i in SHORT), key=len)
     want = LLMEngine(model, backend="numpy", weights="float32", kv_memory="64MiB").prompt_logits(ids)
     got = LLMEngine(model, backend="mlx", kv_memory="64MiB").prompt_logits(ids)
-    from test_mlx_backend import LOGITS_TOLERANCE
-
     assert np.abs(got - want).max() < LOGITS_TOLERANCE[mlx_engine.backend.kv_dtype_bytes]
     assert np.abs(want - mlx_engine.prompt_logits(ids)).max() > 1.0  # the narrow window changes the answer

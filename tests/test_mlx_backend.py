@@ -11,16 +11,13 @@ import pytest
 
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.sampling_params import SamplingParams
+from mlx_parity import LOGITS_TOLERANCE, assert_same_up_to_near_tie
 
 pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]'): MLX backend not tested")
 
 CASES = json.loads((Path(__file__).parent / "fixtures" / "smollm2_transformers_reference.json").read_text())["cases"]
 PROMPTS = [case["prompt_ids"] for case in CASES]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-# Max logit difference from the float32 NumPy backend, by the MLX backend's activation width
-# (float32 on the CPU, float16 on a GPU).
-LOGITS_TOLERANCE = {4: 0.1, 2: 0.3}
-NEAR_TIE = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +43,6 @@ def generate(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int]]]]
     for rid, ids in arrivals.get(0, []):
         engine.add_request(ids, GREEDY, rid)
     return {rid: c.token_ids for rid, c in engine.run_to_completion(arrive).items()}
-
-
-def assert_same_up_to_near_tie(numpy_engine: LLMEngine, prompt: list[int], got: list[int], want: list[int]) -> None:
-    """Equal token lists, or lists that part only where NumPy's top two logits are within tolerance."""
-    if got == want:
-        return
-    i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-    last = numpy_engine.prompt_logits(prompt + want[:i])[-1]
-    top_two = np.sort(last)[-2:]
-    assert top_two[1] - top_two[0] <= NEAR_TIE, f"outputs part at token {i} without a near-tie"
-    assert {got[i], want[i]} <= set(np.argsort(last)[-2:].tolist())
 
 
 @pytest.fixture(scope="module")
