@@ -48,11 +48,14 @@ def windows(n_tokens: int, ctx: int, stride: int) -> list[tuple[int, int, int]]:
 
 def perplexity(
     engine: LLMEngine, ids: list[int], ctx: int = 512, stride: int | None = None, progress: bool = True,
-    label: str = "perplexity",
+    label: str = "perplexity", bos: int | None = None,
 ) -> PerplexityResult:
     """Perplexity of the token ids under the engine's model; `label` names its progress bar.
 
-    Uses `engine.prompt_logits`, so no requests may be running on the engine meanwhile.
+    With `bos`, every window starts with that token in place of its first one, as the first window
+    does (a model whose text always follows BOS, such as Gemma, reads a window without it badly);
+    llama-perplexity does the same. Uses `engine.prompt_logits`, so no requests may be running on
+    the engine meanwhile.
     """
     stride = stride or max(1, ctx // 2)
     if ctx < 2:
@@ -65,7 +68,10 @@ def perplexity(
     nll_sum, count = 0.0, 0
     with tqdm(spans, unit="window", desc=label, disable=not progress) as bar:
         for begin, end, first in bar:
-            logits = engine.prompt_logits(ids[begin:end]).astype(np.float64)
+            window = ids[begin:end]
+            if bos is not None and begin > 0:
+                window = [bos, *window[1:]]
+            logits = engine.prompt_logits(window).astype(np.float64)
             # The row of position p predicts the token at p + 1.
             rows = logits[first - 1 - begin : end - 1 - begin]
             targets = np.asarray(ids[first:end])
@@ -82,5 +88,8 @@ def text_perplexity(
     engine: LLMEngine, text: str, ctx: int = 512, stride: int | None = None, progress: bool = True,
     label: str = "perplexity",
 ) -> PerplexityResult:
-    """Perplexity of a text, tokenized the way the model tokenizes a raw prompt."""
-    return perplexity(engine, engine.tokenizer.encode(text), ctx, stride, progress, label)
+    """Perplexity of a text, tokenized the way the model tokenizes a raw prompt (BOS first in every
+    window where the tokenizer adds one)."""
+    tokenizer = engine.tokenizer
+    bos = tokenizer.bos_token_id if tokenizer.add_bos else None
+    return perplexity(engine, tokenizer.encode(text), ctx, stride, progress, label, bos)

@@ -24,6 +24,7 @@ from edgeserve.models.catalog import CATALOG, pull, sha256_of
 from edgeserve.models.gemma3 import FULL, SLIDING
 from edgeserve.models.gguf_file import read_gguf
 from edgeserve.models.loader import LoadedModel, load_folder, load_model
+from edgeserve.quant.perplexity import text_perplexity
 from edgeserve.sampling_params import SamplingParams
 from edgeserve.server.app import create_app
 from edgeserve.text.chat_template import ChatTemplate, ChatTemplateError
@@ -248,6 +249,17 @@ def test_perplexity_beside_llama_cpp(gemma):
     ours = llama_cpp_perplexity(engine, text, LLAMA_CPP["ctx"], chunks)
     theirs = LLAMA_CPP["estimate_after_chunk"][chunks - 1]
     assert abs(ours / theirs - 1) < 0.01, (ours, theirs)
+
+
+def test_eval_perplexity_puts_bos_first_in_every_window(gemma):
+    """Gemma reads a window that does not start with BOS badly (47 here without it): `edgeserve eval
+    perplexity`'s sliding windows each start with it, and land near llama.cpp's recipe (which scores
+    only tokens with half a window of context, so it reads lower)."""
+    text = (Path(__file__).parents[1] / "quant" / "data" / LLAMA_CPP["text"]).read_text()[:3000]
+    engine = LLMEngine(gemma, backend="numpy", kv_memory="128MiB")
+    ours = text_perplexity(engine, text, ctx=256, progress=False)
+    recipe = llama_cpp_perplexity(engine, text, 256, chunks=2)
+    assert ours.windows >= 3 and abs(ours.perplexity / recipe - 1) < 0.25, (ours.perplexity, recipe)
 
 
 @pytest.fixture(scope="module")
