@@ -557,9 +557,9 @@ int qm_bad_table_row(const int64_t *block_tables, Py_ssize_t bt_row, Py_ssize_t 
 
 int qm_attention(const float *q, Py_ssize_t q_row, const float *k, const float *v, int bs, int n_kv,
                  const int64_t *block_tables, Py_ssize_t bt_row, const int64_t *lens, int D, int H, int hd,
-                 float scale, float *out) {
+                 float scale, int window, float *out) {
     AttTask t = {.q = q, .k = k, .v = v, .bt = block_tables, .out = out, .q_row = q_row, .bt_row = bt_row,
-                 .H = H, .hd = hd, .bs = bs, .n_kv = n_kv, .scale = scale};
+                 .H = H, .hd = hd, .bs = bs, .n_kv = n_kv, .window = window, .scale = scale};
     return run_attention(&t, lens, D);
 }
 
@@ -683,11 +683,9 @@ PyObject *qm_py_attention(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     int err;
-    AttTask t = {.q = (const float *)q->buf, .k = (const float *)k->buf, .v = (const float *)v->buf, .bt = table,
-                 .out = (float *)o->buf, .q_row = row_stride(q), .bt_row = bt_row, .H = (int)q->shape[1],
-                 .hd = (int)q->shape[2], .bs = bsz, .n_kv = (int)k->shape[2], .window = (int)window,
-                 .scale = (float)scale};
-    WITH_POOL(err = run_attention(&t, lens, D));
+    WITH_POOL(err = qm_attention((const float *)q->buf, row_stride(q), (const float *)k->buf, (const float *)v->buf,
+                                 bsz, (int)k->shape[2], table, bt_row, lens, D, (int)q->shape[1], (int)q->shape[2],
+                                 (float)scale, (int)window, (float *)o->buf));
     release(&bs);
     if (err) return PyErr_NoMemory();
     Py_RETURN_TRUE;

@@ -156,7 +156,7 @@ static int run_layers(const DecPlan *p, float *h, int T, float *const *kc, float
             memcpy(kc[l] + (size_t)slots[t] * kv_row, qk + (size_t)t * k_end + (size_t)H * hd, kv_row * sizeof(float));
             memcpy(vc[l] + (size_t)slots[t] * kv_row, qkv + (size_t)t * qkv_n + k_end, kv_row * sizeof(float));
         }
-        if (qm_attention(qk, k_end, kc[l], vc[l], bs, nkv, bt, bt_row, lens, T, H, hd, scale, att) < 0 ||
+        if (qm_attention(qk, k_end, kc[l], vc[l], bs, nkv, bt, bt_row, lens, T, H, hd, scale, 0, att) < 0 ||
             qm_gemm(&L->o, att, T, y, hidden) < 0)
             return -1;
         for (size_t i = 0; i < (size_t)T * hidden; i++) h[i] += y[i];

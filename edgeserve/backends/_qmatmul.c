@@ -792,7 +792,7 @@ static PyMethodDef methods[] = {
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads per call."},
     {"set_spin_us", py_set_spin_us, METH_O, "How long idle workers spin before sleeping, in microseconds."},
     {"attention", (PyCFunction)(void (*)(void))qm_py_attention, METH_FASTCALL,
-     "attention(q, k_cache, v_cache, block_tables, context_lens, out, scale) -> whether it ran"},
+     "attention(q, k_cache, v_cache, block_tables, context_lens, out, scale[, window]) -> whether it ran"},
     {"rms_norm", (PyCFunction)(void (*)(void))qm_py_rms_norm, METH_FASTCALL, "rms_norm(x, w, out, eps) -> whether it ran"},
     {"rope", (PyCFunction)(void (*)(void))qm_py_rope, METH_FASTCALL, "rope(x, cos, sin, out) -> whether it ran"},
     {"silu_mul", (PyCFunction)(void (*)(void))qm_py_silu_mul, METH_FASTCALL, "silu_mul(gate_up, out) -> whether it ran"},

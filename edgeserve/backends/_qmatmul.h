@@ -48,10 +48,11 @@ int qm_matrix_parse(PyObject *const *args, int n, Py_ssize_t K, QmMatrix *m, Py_
 int qm_gemm(const QmMatrix *m, const float *x, int R, float *out, Py_ssize_t ldo);
 
 /* Attention of D query rows q [D, H, hd] over the pools [blocks, bs, n_kv, hd], row s seeing
-   lens[s] keys through block_tables row s; out [D, H, hd] C-contiguous. -1 when out of memory. */
+   lens[s] keys through block_tables row s (its last `window` of them where window > 0); out
+   [D, H, hd] C-contiguous. -1 when out of memory. */
 int qm_attention(const float *q, Py_ssize_t q_row, const float *k, const float *v, int bs, int n_kv,
                  const int64_t *block_tables, Py_ssize_t bt_row, const int64_t *lens, int D, int H, int hd,
-                 float scale, float *out);
+                 float scale, int window, float *out);
 
 /* Whether a buffer holds float32 / int64 elements. */
 int qm_is_f32(const Py_buffer *b);
