@@ -292,8 +292,8 @@ class Bench:
             label = "llama-server" if name == "llama_cpp" else "edgeserve serve"
             self.progress.update(task, description=f"http: {label} + {clients} clients", detail="starting")
             with server(command(port), url, self.progress, task) as model_id:
-                figures = self.edgeserve_bench(task, "--url", url, "--served-model", model_id, "--concurrency",
-                                               str(clients), "--requests", str(requests))["http"]
+                figures = self.edgeserve_bench(task, "--url", url, "-w", "mixed", "--served-model", model_id,
+                                               "--concurrency", str(clients), "--requests", str(requests))["mixed"]
             if figures["output_tokens"] < figures["requested_output_tokens"]:
                 self.progress.console.print(f"[yellow]{name} generated {figures['output_tokens']} of "
                                             f"{figures['requested_output_tokens']} requested tokens (stopped early)")
