@@ -35,7 +35,7 @@ LONG_PROMPT = "Write a long story about a dragon."
 
 @pytest.fixture(scope="module")
 def aengine(model_path) -> Iterator[AsyncEngine]:
-    engine = build_engine(str(model_path), EngineConfig(backend="numpy", kv_memory="64MiB"), quiet=True)
+    engine = build_engine(str(model_path), EngineConfig(backend="numpy", kv_memory="256MiB"), quiet=True)
     aengine = AsyncEngine(engine)
     yield aengine
     aengine.shutdown()
@@ -73,7 +73,7 @@ async def engine_state(aengine: AsyncEngine) -> tuple[list[str], list[tuple[str,
 
 async def test_three_sessions_stream_at_once_and_hold_blocks_in_the_kv_map(aengine):
     # answers of a fixed length (no early stop), long enough to overlap on a fast machine
-    app = tui(EngineClient(aengine), max_tokens=300, ignore_eos=True)
+    app = tui(EngineClient(aengine), max_tokens=600, ignore_eos=True)
     async with app.run_test(size=(160, 45)) as pilot:
         await pilot.press("ctrl+n", "ctrl+n")
         sessions = app.sessions
@@ -92,7 +92,7 @@ async def test_three_sessions_stream_at_once_and_hold_blocks_in_the_kv_map(aengi
 
         # the first answer is the longest, and the others start while it streams: they find the
         # blocks of the prompt start they have in common with it in the prefix cache, and share them
-        await send(pilot, sessions[0], "/set max_tokens 400")
+        await send(pilot, sessions[0], "/set max_tokens 800")
         await send(pilot, sessions[0], LONG_PROMPT)
         await wait_until(pilot, lambda: sessions[0].streamed_tokens >= 1, "the first answer streams")
         await send(pilot, sessions[1], "Write a poem about the sea.")  # answers that take a while,
