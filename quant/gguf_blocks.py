@@ -1,16 +1,21 @@
-"""GGUF tensors as NumPy: float types as float32 arrays, Q4_0/Q4_1/Q8_0 as exact affine groups,
-K-quants as their blocks.
+"""GGUF tensors as NumPy: float types as float32 arrays, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 as exact affine
+groups, K-quants as their blocks.
 
-Q4_0, Q4_1 and Q8_0 blocks are 32 values sharing one float16 scale, which is an MLX affine
-group of 32 with no requantization:
+Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks are 32 values sharing one float16 scale, which is an MLX
+affine group of 32 with no requantization:
 
     Q4_1  x = d * q + m          ->  4 bits, scale d, bias m
     Q4_0  x = d * (q - 8)        ->  4 bits, scale d, bias -8d
+    Q5_1  x = d * q + m          ->  8 bits holding q < 32, scale d, bias m
+    Q5_0  x = d * (q - 16)       ->  8 bits holding q < 32, scale d, bias -16d
     Q8_0  x = d * q (q signed)   ->  8 bits, q + 128, scale d, bias -128d
 
+(The 5-bit types widen to 8 bits: the CPU kernels compute from 4- and 8-bit groups, and llama.cpp
+writes Q5_0 for the matrices of widths K-quants do not divide, as in Gemma 3 270M.)
+
 2-D Q4_K/Q5_K/Q6_K tensors stay as their blocks (a KQuantTensor, see quant/kquants.py). Every
-other type GGUF's own library can dequantize (Q5_0, 1-D K-quants, ...) comes back as float32;
-whether to requantize it is the caller's choice.
+other type GGUF's own library can dequantize (1-D K-quants, ...) comes back as float32; whether
+to requantize it is the caller's choice.
 """
 
 from __future__ import annotations
@@ -60,7 +65,17 @@ def _q8_0(blocks: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
     return _affine(unsigned, 8, shape, d, np.float32(-128) * d.astype(np.float32))
 
 
-_AFFINE_MAPPERS = {_T.Q4_0: _q4_0, _T.Q4_1: _q4_1, _T.Q8_0: _q8_0}
+def _q5_0(blocks: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
+    d = _f16_field(blocks, 0)
+    return _affine(_ggml_q5_values(blocks[:, 2:6], blocks[:, 6:]), 8, shape, d, np.float32(-16) * d.astype(np.float32))
+
+
+def _q5_1(blocks: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
+    d, m = _f16_field(blocks, 0), _f16_field(blocks, 2)
+    return _affine(_ggml_q5_values(blocks[:, 4:8], blocks[:, 8:]), 8, shape, d, m.astype(np.float32))
+
+
+_AFFINE_MAPPERS = {_T.Q4_0: _q4_0, _T.Q4_1: _q4_1, _T.Q5_0: _q5_0, _T.Q5_1: _q5_1, _T.Q8_0: _q8_0}
 
 
 def _affine(
@@ -98,3 +113,14 @@ def _ggml_nibbles_to_mlx(qs: np.ndarray) -> np.ndarray:
     out[:, :8] = (even & 0x0F) | (odd << 4)
     out[:, 8:] = (even >> 4) | (odd & 0xF0)
     return out
+
+
+def _ggml_q5_values(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """The 32 values (0..31) of each 5-bit block, one per byte, in order.
+
+    GGML keeps the low nibbles as Q4_0 does (element i < 16 low in byte i, i + 16 high) and the
+    fifth bits in a little-endian uint32, bit i for element i.
+    """
+    high = np.unpackbits(np.ascontiguousarray(qh), axis=1, bitorder="little")  # [blocks, 32], bit i = element i
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+    return low | (high << 4)

@@ -177,13 +177,13 @@ def _assert_maps_exactly(t: GGUFTensor, bits: int) -> QuantizedTensor:
     return qt
 
 
-@pytest.mark.parametrize("qtype, bits", [(T.Q4_0, 4), (T.Q4_1, 4), (T.Q8_0, 8)])
+@pytest.mark.parametrize("qtype, bits", [(T.Q4_0, 4), (T.Q4_1, 4), (T.Q5_0, 8), (T.Q5_1, 8), (T.Q8_0, 8)])
 def test_gguf_block_types_map_onto_affine_groups_exactly(qtype, bits):
     qt = _assert_maps_exactly(_gguf_tensor(qtype, _random_weights((48, 320), seed=bits)), bits)
     assert qt.scales.dtype == qt.biases.dtype == np.float16
 
 
-@pytest.mark.parametrize("qtype, bits", [(T.Q4_0, 4), (T.Q8_0, 8)])
+@pytest.mark.parametrize("qtype, bits", [(T.Q4_0, 4), (T.Q5_0, 8), (T.Q8_0, 8)])
 def test_scales_widen_to_float32_when_the_bias_overflows_float16(qtype, bits):
     values = _random_weights((4, 64), seed=1)
     values[0, :32] *= 2e5 / np.abs(values[0, :32]).max()  # d fits float16; -8d and -128d do not
@@ -200,8 +200,8 @@ def test_gguf_float_types_come_back_as_float32(qtype, shape):
     np.testing.assert_array_equal(out, _gguf_reference(t))
 
 
-def test_gguf_q5_0_comes_back_as_float32():
-    t = _gguf_tensor(T.Q5_0, _random_weights((8, 128), seed=5))
+def test_gguf_block_types_of_a_vector_come_back_as_float32():
+    t = _gguf_tensor(T.Q5_0, _random_weights((1, 128), seed=5)[0])
     out = gguf_tensor_to_array(t)
     assert isinstance(out, np.ndarray) and out.dtype == np.float32
     np.testing.assert_array_equal(out, _gguf_reference(t))
@@ -255,4 +255,4 @@ def test_whole_real_model_maps_exactly(real_gguf):
             quantized += 1
             out = out.dequantize()
         np.testing.assert_array_equal(out, _gguf_reference(t), err_msg=name)
-    assert quantized == sum(t.qtype in (T.Q4_0, T.Q4_1, T.Q8_0) for t in real_gguf.tensors.values()) > 0
+    assert quantized == sum(t.qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0) for t in real_gguf.tensors.values()) > 0
