@@ -86,9 +86,10 @@ def test_free_text_and_broken_calls_stay_text() -> None:
 
 
 def test_calls_without_their_special_marker_token_still_parse() -> None:
-    # Output text leaves special tokens out: Mistral's [TOOL_CALLS] and Llama 3's <|python_tag|> are ones.
-    for fmt in (MistralFormat(), Llama3Format()):
-        text = fmt.write(CALLS).replace(fmt.marker, "")
+    # Output text leaves special tokens out: Mistral's [TOOL_CALLS] and Llama 3's <|python_tag|> are ones,
+    # and some Hermes-style tokenizers hold <tool_call> and </tool_call> as special tokens too.
+    for fmt in (MistralFormat(), Llama3Format(), HermesFormat()):
+        text = fmt.write(CALLS).replace(fmt.marker, "").replace("</tool_call>", "")
         assert split_reply(text, fmt) == (None, CALLS)
         stream = ToolCallStream(fmt)
         pieces = [stream.feed(text[i:i + 2], False) for i in range(0, len(text), 2)] + [stream.feed("", True)]

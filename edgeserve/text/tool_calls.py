@@ -110,7 +110,12 @@ class HermesFormat(ToolCallFormat):
     def split(self, text: str) -> tuple[str, list[ToolCall], str]:
         start = text.find(self.marker)
         if start < 0:
-            return text, [], ""
+            # Some tokenizers hold the tags as special tokens, which the answer's text leaves out:
+            # an answer that opens with a call object is calls.
+            body = text.lstrip()
+            if not body.startswith("{"):
+                return text, [], ""
+            return "", *_call_sequence(body, self.args_key)
         calls, pos = [], start
         while (m := self._block.match(text, pos)) is not None:
             try:
@@ -187,20 +192,7 @@ class Llama3Format(ToolCallFormat):
             body = body[len(self.marker):].lstrip()
         elif not body.startswith("{"):
             return text, [], ""
-        calls, pos = [], 0
-        while pos < len(body):
-            try:
-                obj, end = _DECODER.raw_decode(body, pos)
-            except ValueError:
-                break
-            call = _call_from(obj, self.args_key)
-            if call is None:
-                break
-            calls.append(call)
-            pos = end
-            while pos < len(body) and body[pos] in _SEPARATORS:
-                pos += 1
-        return "", calls, body[pos:]
+        return "", *_call_sequence(body, self.args_key)
 
     def held_back(self, content: str) -> int:
         # Until the message shows something other than a call's start, any of it may be one.
@@ -208,6 +200,24 @@ class Llama3Format(ToolCallFormat):
         if not stripped or self.marker.startswith(stripped[: len(self.marker)]):
             return len(content)
         return 0
+
+
+def _call_sequence(body: str, args_key: str) -> tuple[list[ToolCall], str]:
+    """The call objects at the start of body, one after another, and what follows them."""
+    calls, pos = [], 0
+    while pos < len(body):
+        try:
+            obj, end = _DECODER.raw_decode(body, pos)
+        except ValueError:
+            break
+        call = _call_from(obj, args_key)
+        if call is None:
+            break
+        calls.append(call)
+        pos = end
+        while pos < len(body) and body[pos] in _SEPARATORS:
+            pos += 1
+    return calls, body[pos:]
 
 
 def format_for_template(source: str, token_to_id: Any = None) -> ToolCallFormat:
