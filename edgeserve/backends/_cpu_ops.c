@@ -563,6 +563,11 @@ int qm_attention(const float *q, Py_ssize_t q_row, const float *k, const float *
     return run_attention(&t, lens, D);
 }
 
+void qm_write_kv(float *cache, const float *values, Py_ssize_t values_row, const int64_t *slots, int rows, size_t row) {
+    for (int i = 0; i < rows; i++)
+        memcpy(cache + (size_t)slots[i] * row, values + (size_t)i * values_row, row * sizeof(float));
+}
+
 void qm_rms_norm(const float *x, Py_ssize_t x_row, const float *w, float *out, Py_ssize_t out_row, int rows, int cols,
                  float eps) {
     OpsTask t = {.x = x, .w = w, .out = out, .x_row = x_row, .out_row = out_row, .rows = rows, .cols = cols, .eps = eps};
@@ -804,10 +809,8 @@ PyObject *qm_py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         release(&bs);
         Py_RETURN_FALSE;
     }
-    const size_t row = (size_t)(x->shape[1] * x->shape[2]);
-    const Py_ssize_t xr = row_stride(x);
-    for (Py_ssize_t i = 0; i < sl->shape[0]; i++)
-        memcpy((float *)c->buf + (size_t)slots[i] * row, (const float *)x->buf + (size_t)i * xr, row * sizeof(float));
+    qm_write_kv((float *)c->buf, (const float *)x->buf, row_stride(x), slots, (int)sl->shape[0],
+                (size_t)(x->shape[1] * x->shape[2]));
     release(&bs);
     Py_RETURN_TRUE;
 }

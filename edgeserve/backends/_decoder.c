@@ -131,6 +131,28 @@ fail:
 static float *g_scratch;
 static size_t g_scratch_cap;
 
+/* Where run_layers keeps each activation of T rows in a scratch buffer, and the floats it needs. */
+typedef struct {
+    size_t x;   /* normed input [T, hidden], then the SiLU gate's output [T, inter] */
+    size_t qkv; /* [T, qkv_n], then gate | up [T, 2 * inter] */
+    size_t qk;  /* roped q | k [T, H + nkv, hd] */
+    size_t att; /* attention output [T, H, hd] */
+    size_t y;   /* a block's output [T, hidden] */
+    size_t total;
+} Scratch;
+
+static Scratch scratch_layout(const DecPlan *p, size_t T) {
+    const size_t H = p->n_heads, nkv = p->n_kv, hd = p->hd, hidden = p->hidden, inter = p->inter;
+    const size_t qkv_n = (H + 2 * nkv) * hd;
+    Scratch s = {.x = 0};
+    s.qkv = s.x + T * (hidden > inter ? hidden : inter);
+    s.qk = s.qkv + T * (qkv_n > 2 * inter ? qkv_n : 2 * inter);
+    s.att = s.qk + T * (H + nkv) * hd;
+    s.y = s.att + T * H * hd;
+    s.total = s.y + T * hidden;
+    return s;
+}
+
 /* Every layer on h [T, hidden]; -1 when out of memory. */
 static int run_layers(const DecPlan *p, float *h, int T, float *const *kc, float *const *vc, int bs,
                        const float *cos, const float *sin, const int64_t *slots, const int64_t *bt, Py_ssize_t bt_row,
@@ -138,11 +160,9 @@ static int run_layers(const DecPlan *p, float *h, int T, float *const *kc, float
     const int H = p->n_heads, nkv = p->n_kv, hd = p->hd, hidden = p->hidden, inter = p->inter;
     const int qkv_n = (H + 2 * nkv) * hd, k_end = (H + nkv) * hd;
     const size_t kv_row = (size_t)nkv * hd;
-    float *x = g_scratch;                    /* [T, hidden], then [T, inter] */
-    float *qkv = x + (size_t)T * (hidden > inter ? hidden : inter); /* [T, qkv_n], then [T, 2 * inter] */
-    float *qk = qkv + (size_t)T * (qkv_n > 2 * inter ? qkv_n : 2 * inter); /* roped q | k [T, H + nkv, hd] */
-    float *att = qk + (size_t)T * k_end;     /* [T, H, hd] */
-    float *y = att + (size_t)T * H * hd;     /* a block's output [T, hidden] */
+    const Scratch at = scratch_layout(p, (size_t)T);
+    float *x = g_scratch + at.x, *qkv = g_scratch + at.qkv, *qk = g_scratch + at.qk, *att = g_scratch + at.att,
+          *y = g_scratch + at.y;
     const float scale = (float)(1.0 / sqrt((double)hd));
     for (int l = 0; l < p->n_layers; l++) {
         const DecLayer *L = &p->layers[l];
@@ -152,10 +172,8 @@ static int run_layers(const DecPlan *p, float *h, int T, float *const *kc, float
             for (int t = 0; t < T; t++)
                 for (int j = 0; j < qkv_n; j++) qkv[(size_t)t * qkv_n + j] += L->qkv_bias[j];
         qm_rope(qkv, qkv_n, cos, sin, qk, T, H + nkv, hd);
-        for (int t = 0; t < T; t++) {
-            memcpy(kc[l] + (size_t)slots[t] * kv_row, qk + (size_t)t * k_end + (size_t)H * hd, kv_row * sizeof(float));
-            memcpy(vc[l] + (size_t)slots[t] * kv_row, qkv + (size_t)t * qkv_n + k_end, kv_row * sizeof(float));
-        }
+        qm_write_kv(kc[l], qk + (size_t)H * hd, k_end, slots, T, kv_row);
+        qm_write_kv(vc[l], qkv + k_end, qkv_n, slots, T, kv_row);
         if (qm_attention(qk, k_end, kc[l], vc[l], bs, nkv, bt, bt_row, lens, T, H, hd, scale, 0, att) < 0 ||
             qm_gemm(&L->o, att, T, y, hidden) < 0)
             return -1;
@@ -167,14 +185,6 @@ static int run_layers(const DecPlan *p, float *h, int T, float *const *kc, float
         for (size_t i = 0; i < (size_t)T * hidden; i++) h[i] += y[i];
     }
     return 0;
-}
-
-/* Floats of scratch run_layers uses for T rows. */
-static size_t scratch_floats(const DecPlan *p, size_t T) {
-    const size_t H = p->n_heads, nkv = p->n_kv, hd = p->hd, hidden = p->hidden, inter = p->inter;
-    const size_t qkv_n = (H + 2 * nkv) * hd;
-    return T * ((hidden > inter ? hidden : inter) + (qkv_n > 2 * inter ? qkv_n : 2 * inter) + (H + nkv) * hd +
-                H * hd + hidden);
 }
 
 /* The pools of every layer: float32 C-contiguous [blocks, bs, n_kv, hd], all of one shape. */
@@ -253,7 +263,7 @@ PyObject *qm_py_decoder_run(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_Format(PyExc_ValueError, "decoder_run: row %d's context length or block ids fall outside the pool", bad);
         goto done;
     }
-    const size_t need = scratch_floats(p, (size_t)T);
+    const size_t need = scratch_layout(p, (size_t)T).total;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&qm_call_lock);
     if (need > g_scratch_cap) {

@@ -433,7 +433,7 @@ static atomic_uint g_gen;                 /* bumped once per call */
 static atomic_int g_sleepers;
 /* One range of items per thread of a call: (generation << 42) | (first left << 21) | end. */
 static _Atomic uint64_t g_ranges[MAX_THREADS];
-static int g_nranges;                     /* ranges of the current call */
+static atomic_int g_nranges;              /* ranges of the current call (read by late workers too) */
 static atomic_int g_done;                 /* items finished in the current call */
 static qm_item_fn g_fn;                   /* the current call's work */
 static const void *g_ctx;
@@ -490,7 +490,7 @@ static int claim(int r, unsigned gen, int front) {
 }
 
 static void run_items(unsigned gen, int self) {
-    const int n = g_nranges;
+    const int n = atomic_load_explicit(&g_nranges, memory_order_relaxed);
     int i;
     for (int k = 0; k < n; k++) {
         const int r = (self + k) % n;
@@ -551,7 +551,7 @@ void qm_parallel(int items, qm_item_fn fn, const void *ctx) {
     }
     g_fn = fn;
     g_ctx = ctx;
-    g_nranges = n;
+    atomic_store_explicit(&g_nranges, n, memory_order_relaxed);
     unsigned gen = atomic_load(&g_gen) + 1;
     atomic_store(&g_done, 0);
     for (int r = 0; r < n; r++)

@@ -62,6 +62,9 @@ int qm_is_i64(const Py_buffer *b);
 int qm_bad_table_row(const int64_t *block_tables, Py_ssize_t bt_row, Py_ssize_t bt_cols, const int64_t *lens, int D,
                      int bs, Py_ssize_t blocks);
 
+/* Rows `slots` of a KV pool (rows of `row` floats) = values, rows `values_row` floats apart; slots checked by the caller. */
+void qm_write_kv(float *cache, const float *values, Py_ssize_t values_row, const int64_t *slots, int rows, size_t row);
+
 void qm_rms_norm(const float *x, Py_ssize_t x_row, const float *w, float *out, Py_ssize_t out_row, int rows, int cols,
                  float eps);
 
