@@ -12,12 +12,12 @@ from edgeserve.cli.local_models import record_conversion
 from edgeserve.cli.options import build_engine, model_options
 from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
+from edgeserve.evaluation.perplexity import text_perplexity, windows
+from edgeserve.evaluation.quality_report import REPORT_CTX, SHIPPED_TEXT, SHIPPED_TEXT_TITLE, quality_report
+from edgeserve.models.convert import check_output, convert
 from edgeserve.models.loader import LoadedModel, load_model
 from edgeserve.quant.affine import QuantizedTensor
-from edgeserve.quant.convert import check_output, convert
 from edgeserve.quant.kquants import KQuantTensor
-from edgeserve.quant.perplexity import text_perplexity, windows
-from edgeserve.quant.report import REPORT_CTX, SHIPPED_TEXT, SHIPPED_TEXT_TITLE, quality_report
 from edgeserve.system import usable_cores
 from edgeserve.units import format_size
 

@@ -7,7 +7,7 @@ import json
 import click
 
 from edgeserve.backends import WEIGHT_MODES, resident_weight_bytes
-from edgeserve.engine.kv_pool import kv_bytes_per_token
+from edgeserve.engine.kv_budget import kv_bytes_per_token
 from edgeserve.metal import active_attention_path
 from edgeserve.metal.launch_limits import describe_attention
 from edgeserve.cli.local_models import as_json, find_local, list_local, remove_local

@@ -9,6 +9,9 @@ from typing import Any
 from edgeserve.errors import EdgeserveError
 
 
+# How a json_schema grammar writes JSON: as models mostly saw it (`{"a": 1, "b": 2}`), with no free
+# whitespace, which a small model can fill forever. Tool-call grammars write their arguments the same way.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GREEDY_BELOW = 1e-5  # temperatures under this sample as greedy: dividing by them would overflow the logits
 
 

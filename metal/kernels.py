@@ -9,7 +9,7 @@ so that small batches still fill the GPU; a second, small kernel merges the part
 
 Prefill rows take the same kernel although each row reads its K/V again: on an H100 (float16)
 a 512-row chunk ran in about half the gather path's time at context 512 and within 15% of it at
-context 2048 (`python -m edgeserve.metal.bench_kernels`). The KV write stays MLX's own scatter:
+context 2048 (`python -m edgeserve.bench.metal_kernels`). The KV write stays MLX's own scatter:
 it updates the pool's buffer in place, while a custom kernel always writes a fresh output
 buffer and so would have to copy the whole pool for every layer of every step.
 """

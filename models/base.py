@@ -14,7 +14,7 @@ from edgeserve.batch import Batch
 from edgeserve.errors import ModelLoadError
 
 if TYPE_CHECKING:
-    from edgeserve.engine.kv_pool import KVPool
+    from edgeserve.backends.kv_pool import KVPool
 
 Weights = dict[str, HostWeight]  # under Hugging Face names, whatever the file format
 LONGROPE = ("longrope", "su")  # rope_type of Phi-3's LongRoPE ("su" in older configs)

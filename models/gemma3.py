@@ -23,7 +23,7 @@ from edgeserve.models.base import ModelArgs, Weights, rope_inv_freq
 from edgeserve.models.llama import MLP, Attention
 
 if TYPE_CHECKING:
-    from edgeserve.engine.kv_pool import KVPool
+    from edgeserve.backends.kv_pool import KVPool
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

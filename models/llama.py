@@ -19,7 +19,7 @@ from edgeserve.batch import Batch
 from edgeserve.models.base import ModelArgs, Weights, rope_inv_freq
 
 if TYPE_CHECKING:
-    from edgeserve.engine.kv_pool import KVPool
+    from edgeserve.backends.kv_pool import KVPool
 
 
 @dataclass

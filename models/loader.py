@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 
 from edgeserve.errors import ModelLoadError, ModelNotFoundError
-from edgeserve.models.catalog import CATALOG, pull
-from edgeserve.models.gguf_file import GGUFFile, read_gguf
 from edgeserve.models.base import ModelArgs, Weights
+from edgeserve.models.catalog import CATALOG, pull
 from edgeserve.models.registry import architecture, gguf_model_type
 from edgeserve.quant.affine import QuantizedTensor
-from edgeserve.quant.kquants import KQuantTensor
 from edgeserve.quant.gguf_blocks import gguf_tensor_to_array
+from edgeserve.quant.gguf_file import GGUFFile, read_gguf
+from edgeserve.quant.kquants import KQuantTensor
 from edgeserve.text.tokenizer import Tokenizer
 
 _GGUF_LAYER_NAMES = {

@@ -24,8 +24,8 @@ import gguf
 import numpy as np
 
 from edgeserve.errors import ModelLoadError
-from edgeserve.models.gguf_file import GGUFTensor
 from edgeserve.quant.affine import QuantizedTensor
+from edgeserve.quant.gguf_file import GGUFTensor
 from edgeserve.quant.kquants import KQUANT_TYPES, KQuantTensor, kquant_from_gguf
 
 _T = gguf.GGMLQuantizationType

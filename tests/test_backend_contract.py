@@ -12,7 +12,7 @@ import pytest
 
 from edgeserve.backends import Backend, get_backend
 from edgeserve.batch import random_paged_batch
-from edgeserve.engine.kv_pool import PoolSize
+from edgeserve.engine.kv_budget import PoolSize
 from edgeserve.engine.model_runner import ModelRunner
 
 METHODS = {name: f for name, f in vars(Backend).items() if inspect.isfunction(f) and not name.startswith("_")}

@@ -8,7 +8,7 @@ import pytest
 
 from edgeserve.text.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
 from edgeserve.errors import EdgeserveError
-from edgeserve.models.gguf_file import read_gguf
+from edgeserve.quant.gguf_file import read_gguf
 from edgeserve.text.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"

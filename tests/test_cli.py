@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 from edgeserve.cli.convert_cmd import report_notice
 from edgeserve.cli.main import cli
-from edgeserve.quant.perplexity import windows
-from edgeserve.quant.report import REPORT_CTX, SHIPPED_TEXT
+from edgeserve.evaluation.perplexity import windows
+from edgeserve.evaluation.quality_report import REPORT_CTX, SHIPPED_TEXT
 
 CLI = [sys.executable, "-c", "from edgeserve.cli.main import cli; cli()"]
 TIMEOUT = 180

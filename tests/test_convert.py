@@ -18,13 +18,13 @@ from edgeserve.backends import resident_weight_bytes
 from edgeserve.backends.qmatmul import QMatrix
 from edgeserve.cli.main import cli
 from edgeserve.engine.llm_engine import LLMEngine
-from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, sha256_of
+from edgeserve.evaluation.perplexity import perplexity, windows
+from edgeserve.evaluation.quality_report import SHIPPED_TEXT, layer_error_table, quality_report
 from edgeserve.models.base import ModelArgs, rope_inv_freq
+from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, sha256_of
+from edgeserve.models.convert import TensorPlan, convert, convert_tensor
 from edgeserve.models.loader import LoadedModel, load_folder
 from edgeserve.quant.affine import QuantizedTensor, quantize
-from edgeserve.quant.convert import TensorPlan, convert, convert_tensor
-from edgeserve.quant.perplexity import perplexity, windows
-from edgeserve.quant.report import SHIPPED_TEXT, layer_error_table, quality_report
 from edgeserve.sampling_params import SamplingParams
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -324,7 +324,7 @@ def cli_source(loaded_model, monkeypatch) -> LoadedModel:
 
 
 def test_no_disk_space_leaves_nothing_behind(cli_source, tmp_path, monkeypatch):
-    monkeypatch.setattr("edgeserve.quant.convert.shutil.disk_usage", lambda path: SimpleNamespace(free=10**6))
+    monkeypatch.setattr("edgeserve.models.convert.shutil.disk_usage", lambda path: SimpleNamespace(free=10**6))
     result = _convert_cli("any", "-o", str(tmp_path / "out"))
     _assert_failed_cleanly(result, "not enough disk space", tmp_path, set())
 
@@ -333,7 +333,7 @@ def test_ctrl_c_while_writing_leaves_nothing_behind(cli_source, tmp_path, monkey
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("edgeserve.quant.convert.save_file", interrupted)
+    monkeypatch.setattr("edgeserve.models.convert.save_file", interrupted)
     result = _convert_cli("any", "-o", str(tmp_path / "new" / "out"))
     assert result.exit_code == 130
     assert list(tmp_path.iterdir()) == []  # neither OUT, its temporary folder, nor the parent made for it

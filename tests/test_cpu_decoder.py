@@ -77,8 +77,8 @@ def test_fused_blocks_refuse_slots_and_block_ids_outside_the_pool(tiny_model):
     model, kv = eng.runner.model, eng.runner.kv
     h = np.zeros((1, tiny_model.args.hidden_size), np.float32)
     cos = sin = np.zeros((1, 1, tiny_model.args.head_dim // 2), np.float32)
-    rows = kv.size.num_blocks * kv.size.block_size
-    for slots, tables in (([rows], [[0]]), ([0], [[kv.size.num_blocks]]), ([-1], [[0]])):
+    rows = kv.num_blocks * kv.block_size
+    for slots, tables in (([rows], [[0]]), ([0], [[kv.num_blocks]]), ([-1], [[0]])):
         with pytest.raises(ValueError, match="outside the pool"):
             qmatmul._ext.decoder_run(model.fused_blocks.plan, h, kv.k, kv.v, cos, sin, np.array(slots),
                                      np.array(tables), np.array([1]))

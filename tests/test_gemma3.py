@@ -20,11 +20,11 @@ from edgeserve.backends import get_backend
 from edgeserve.config import EngineConfig
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.evaluation.perplexity import text_perplexity
 from edgeserve.models.catalog import CATALOG, pull, sha256_of
 from edgeserve.models.gemma3 import FULL, SLIDING
-from edgeserve.models.gguf_file import read_gguf
 from edgeserve.models.loader import LoadedModel, load_folder, load_model
-from edgeserve.quant.perplexity import text_perplexity
+from edgeserve.quant.gguf_file import read_gguf
 from edgeserve.sampling_params import SamplingParams
 from edgeserve.server.app import create_app
 from edgeserve.text.chat_template import ChatTemplate, ChatTemplateError

@@ -184,8 +184,8 @@ def test_affine_form_for_mlx_is_exact(qtype):
 def test_mlx_backend_and_convert_accept_k_quants(tmp_path):
     pytest.importorskip("mlx.core")
     from edgeserve.engine.llm_engine import LLMEngine
+    from edgeserve.models.convert import convert
     from edgeserve.models.loader import load_model
-    from edgeserve.quant.convert import convert
 
     path = tmp_path / "tiny-q4_k_m.gguf"
     write_tiny_kquant_gguf(path, np.random.default_rng(3))

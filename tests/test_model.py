@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from edgeserve.engine.llm_engine import LLMEngine
-from edgeserve.models.gguf_file import read_gguf
 from edgeserve.models.loader import load_folder
+from edgeserve.quant.gguf_file import read_gguf
 from edgeserve.sampling_params import SamplingParams
 from model_folder import write_model_folder
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from edgeserve.errors import EdgeserveError, ModelLoadError
-from edgeserve.models.gguf_file import GGUFTensor, read_gguf
+from edgeserve.quant.gguf_file import GGUFTensor, read_gguf
 from edgeserve.quant.affine import (
     SUPPORTED_BITS,
     SUPPORTED_GROUP_SIZES,

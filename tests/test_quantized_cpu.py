@@ -13,8 +13,8 @@ from edgeserve.backends import get_backend, qmatmul, resident_weight_bytes
 from edgeserve.backends.qmatmul import QMatrix
 from edgeserve.config import EngineConfig
 from edgeserve.engine.llm_engine import LLMEngine
-from edgeserve.quant.perplexity import text_perplexity
-from edgeserve.quant.report import SHIPPED_TEXT
+from edgeserve.evaluation.perplexity import text_perplexity
+from edgeserve.evaluation.quality_report import SHIPPED_TEXT
 
 pytestmark = pytest.mark.slow
 

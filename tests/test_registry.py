@@ -11,7 +11,7 @@ import pytest
 
 from edgeserve.backends import get_backend
 from edgeserve.batch import random_paged_batch
-from edgeserve.engine.kv_pool import PoolSize
+from edgeserve.engine.kv_budget import PoolSize
 from edgeserve.engine.model_runner import ModelRunner
 from edgeserve.errors import ModelLoadError
 from edgeserve.models.llama import MLP, Llama

@@ -8,7 +8,7 @@ from sentencepiece import sentencepiece_model_pb2
 
 from edgeserve.text.detokenizer import IncrementalDetokenizer
 from edgeserve.errors import ModelLoadError
-from edgeserve.models.gguf_file import read_gguf
+from edgeserve.quant.gguf_file import read_gguf
 from edgeserve.text.tokenizer import Tokenizer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_tokenizer.json"

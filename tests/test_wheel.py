@@ -93,7 +93,7 @@ def test_the_wheel_holds_every_package_and_its_data(wheel):
     missing = sources("*.py", "*.metal", "*.cu") - names
     assert not missing, f"source files missing from the wheel: {sorted(missing)}"
     data = sources("data/*.txt", "data/*.md")
-    assert any(name.startswith("edgeserve/quant/data/") for name in data)
+    assert any(name.startswith("edgeserve/evaluation/data/") for name in data)
     assert data <= names
 
 

@@ -6,7 +6,8 @@ weights modes (how it holds weights: float32 copies or the quantized storage) ar
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from edgeserve.backends.base import Backend
 from edgeserve.backends.numpy_backend import WEIGHT_MODES, NumpyBackend, choose_weights_mode, resident_weight_bytes
@@ -14,15 +15,19 @@ from edgeserve.errors import EdgeserveError
 from edgeserve.metal import mlx_gpu_available
 from edgeserve.system import available_memory_bytes
 
-if TYPE_CHECKING:
-    from edgeserve.models.loader import LoadedModel
-
 BACKENDS = ("auto", "numpy", "mlx")
 
 __all__ = ["BACKENDS", "WEIGHT_MODES", "Backend", "get_backend", "resident_weight_bytes"]
 
 
-def get_backend(name: str = "auto", weights: str = "auto", model: LoadedModel | None = None,
+class HasWeights(Protocol):
+    """What `get_backend` reads of a model (a `models.loader.LoadedModel`): its tensors by name."""
+
+    @property
+    def weights(self) -> Mapping[str, Any]: ...
+
+
+def get_backend(name: str = "auto", weights: str = "auto", model: HasWeights | None = None,
                 threads: int | None = None) -> Backend:
     """A backend instance; 'auto' takes MLX on a GPU and NumPy on a plain CPU (MLX's CPU GEMMs are slow).
 

@@ -16,7 +16,7 @@ from edgeserve.backends import qmatmul
 from edgeserve.backends.qmatmul import QMatrix
 
 if TYPE_CHECKING:
-    from edgeserve.engine.kv_pool import KVPool
+    from edgeserve.backends.kv_pool import KVPool
 
 
 class CPUDecoder:

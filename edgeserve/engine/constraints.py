@@ -19,11 +19,9 @@ import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from edgeserve.engine.sequence import Sequence
-from edgeserve.sampling_params import InvalidParamsError, SamplingParams
+from edgeserve.sampling_params import JSON_OPTIONS, InvalidParamsError, SamplingParams
 from edgeserve.text.tokenizer import Tokenizer
 
-# JSON as models mostly saw it (`{"a": 1, "b": 2}`): no free whitespace, which a small model can fill forever.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # A masked logit: far below any real one, finite so penalties, temperatures and logprobs stay finite.
 MASKED_LOGIT = -1e30
 GRAMMAR_CACHE_SIZE = 256

@@ -15,7 +15,7 @@ from edgeserve.backends import get_backend
 from edgeserve.config import EngineConfig
 from edgeserve.engine.block_manager import BlockManager, blocks_for
 from edgeserve.engine.constraints import Constraints
-from edgeserve.engine.kv_pool import size_pool
+from edgeserve.engine.kv_budget import size_pool
 from edgeserve.engine.model_runner import ModelRunner
 from edgeserve.engine.output import Completion, OutputProcessor, RequestOutput
 from edgeserve.engine.sampler import sample

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from edgeserve.backends.base import Backend
+from edgeserve.backends.kv_pool import KVPool
 from edgeserve.batch import Batch
-from edgeserve.engine.kv_pool import KVPool, PoolSize
+from edgeserve.engine.kv_budget import PoolSize
+from edgeserve.engine.scheduler import ScheduledSeq
 from edgeserve.models.loader import LoadedModel
 from edgeserve.models.registry import build_model
-from edgeserve.engine.scheduler import ScheduledSeq
 
 
 class ModelRunner:
@@ -17,7 +18,8 @@ class ModelRunner:
         self.backend = backend
         self.args = model.args
         self.model = build_model(model.args, model.weights, backend)
-        self.kv = KVPool(backend, model.args, pool_size)
+        self.kv = KVPool(backend, self.args.num_hidden_layers, pool_size.num_blocks, pool_size.block_size,
+                         self.args.num_key_value_heads, self.args.head_dim)
         self.block_size = pool_size.block_size
 
     def build_batch(self, scheduled: list[ScheduledSeq]) -> Batch:

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from edgeserve.engine.constraints import JSON_OPTIONS
+from edgeserve.sampling_params import JSON_OPTIONS
 
 _DECODER = json.JSONDecoder()
 _SEPARATORS = " \t\r\n;,"

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeserve.engine.kv_pool import kv_bytes_per_token
+from edgeserve.engine.kv_budget import kv_bytes_per_token
 from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.evaluation.perplexity import PerplexityResult, text_perplexity
+from edgeserve.models.convert import ConversionResult
 from edgeserve.models.loader import LoadedModel, load_folder
-from edgeserve.quant.convert import ConversionResult
-from edgeserve.quant.perplexity import PerplexityResult, text_perplexity
 
 SHIPPED_TEXT = Path(__file__).parent / "data" / "alice_ch1-2.txt"
 SHIPPED_TEXT_TITLE = (

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from edgeserve.errors import EdgeserveError
 from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.errors import EdgeserveError
 
 
 @dataclass(frozen=True)

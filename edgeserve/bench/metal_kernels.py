@@ -1,6 +1,6 @@
 """Benchmark of the paged-attention paths on this machine's MLX device.
 
-    python -m edgeserve.metal.bench_kernels [--model NAME] [--json FILE]
+    python -m edgeserve.bench.metal_kernels [--model NAME] [--json FILE]
 
 Prints (1) one attention op, kernel against the plain-MLX reference, for decode batches of
 1/8/32 sequences at contexts 512/2048 and for a 512-row prefill chunk, (2) MLX's scatter into

@@ -1,9 +1,9 @@
-"""The paged KV pool: per layer K and V arrays of [num_blocks, block_size, n_kv_heads, head_dim]."""
+"""How many KV blocks a memory budget holds: the pool's size, from the model's shape and the backend's dtype."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from edgeserve.backends.base import Array, Backend, StepMeta
+
 from edgeserve.models.base import ModelArgs
 
 
@@ -33,19 +33,3 @@ class PoolSize:
 def size_pool(args: ModelArgs, budget_bytes: int, block_size: int, dtype_bytes: int) -> PoolSize:
     per_token = kv_bytes_per_token(args, dtype_bytes)
     return PoolSize(max(1, budget_bytes // (per_token * block_size)), block_size, per_token)
-
-
-class KVPool:
-    """The pool's arrays, owned by one backend; the BlockManager decides who uses which block."""
-
-    def __init__(self, backend: Backend, args: ModelArgs, size: PoolSize):
-        self.backend = backend
-        self.size = size
-        shape = (size.num_blocks, size.block_size, args.num_key_value_heads, args.head_dim)
-        self.k = [backend.allocate_kv(*shape) for _ in range(args.num_hidden_layers)]
-        self.v = [backend.allocate_kv(*shape) for _ in range(args.num_hidden_layers)]
-
-    def write(self, layer: int, k: Array, v: Array, meta: StepMeta) -> None:
-        """Store this step's K/V rows at their slots (backends with immutable arrays return new ones)."""
-        self.k[layer] = self.backend.write_kv(self.k[layer], k, meta)
-        self.v[layer] = self.backend.write_kv(self.v[layer], v, meta)
