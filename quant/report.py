@@ -12,12 +12,7 @@ from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.loader import LoadedModel, load_folder
 from edgeserve.quant.convert import ConversionResult
 from edgeserve.quant.perplexity import PerplexityResult, text_perplexity
-
-SHIPPED_TEXT = Path(__file__).parent / "data" / "alice_ch1-2.txt"
-SHIPPED_TEXT_TITLE = (
-    "Lewis Carroll, \"Alice's Adventures in Wonderland\" (1865), chapters I-II, "
-    "text of Project Gutenberg eBook #11 (public domain)"
-)
+from edgeserve.quant.shipped_text import SHIPPED_TEXT, SHIPPED_TEXT_TITLE
 REPORT_CTX = 512
 
 _LAYER_MATRIX = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.weight")
