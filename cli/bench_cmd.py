@@ -6,18 +6,17 @@ import asyncio
 import dataclasses
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import click
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from edgeserve.bench import workloads
 from edgeserve.cli.options import model_options
 from edgeserve.config import EngineConfig
-from edgeserve.engine.llm_engine import LLMEngine
-from edgeserve.models.loader import load_model
-from edgeserve.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from edgeserve.text.tokenizer import Tokenizer
 
 WORKLOADS = ("single", "mixed", "sweep", "prefix", "all")
 SWEEP = "1,4,8,16,32,64"
@@ -75,6 +74,11 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
               num_requests: int, max_output: int, streams: str, seed: int, url: str | None, concurrency: int, api_key: str | None,
               served_model: str | None, as_json: bool) -> None:
     """Measure throughput, TTFT, time per output token, KV use and prefix-cache hits."""
+    # the workloads and the engine import NumPy and the kernels: loaded when a benchmark runs, not for --help
+    from edgeserve.bench import workloads
+    from edgeserve.engine.llm_engine import LLMEngine
+    from edgeserve.models.loader import load_model
+
     loaded = load_model(model)
     tok = loaded.tokenizer
     results: dict[str, object] = {"model": loaded.source.name}
@@ -123,6 +127,9 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
 def _bench_server(url: str, workload: str, tok: Tokenizer, num_requests: int, max_output: int, streams: str,
                   seed: int, concurrency: int, api_key: str | None, model: str | None) -> dict:
     """The chosen workloads, sent to a server as streaming completions."""
+    import numpy as np
+
+    from edgeserve.bench import workloads
     from edgeserve.bench.http_driver import run_http_bench
 
     def send(requests: list[workloads.BenchRequest], clients: int) -> workloads.BenchResult:

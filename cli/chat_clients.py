@@ -11,13 +11,15 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, is_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.conversation import Conversation
 from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import SamplingParams
 from edgeserve.units import format_size
+
+if TYPE_CHECKING:
+    from edgeserve.engine.async_engine import AsyncEngine
 
 KV_STATES = ("free", "cached", "used", "shared")
 

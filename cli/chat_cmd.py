@@ -14,7 +14,6 @@ from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from rich.console import Console
 from rich.markup import escape
 
-from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.chat_clients import ChatClient, EngineClient, ReplyChunk, ReplyStats, stats_report
 from edgeserve.cli.chat_turn import Turn
 from edgeserve.cli.feedback import PromptSpinner, stderr_console
@@ -204,6 +203,8 @@ def chat(model: str, config: EngineConfig, settings: dict, system: str | None, p
     """Talk with a model in the terminal; the answer streams as it is generated."""
     conversation = Conversation(system=system, settings=settings)
     engine = build_engine(model, config)
+    from edgeserve.engine.async_engine import AsyncEngine  # imports the engine: after build_engine's note
+
     aengine = AsyncEngine(engine)
     try:
         asyncio.run(ChatRepl(EngineClient(aengine), conversation, markdown=not plain).run())

@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import numpy as np
 
 from edgeserve.cli.local_models import record_conversion
 from edgeserve.cli.options import build_engine, model_options
 from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
-from edgeserve.evaluation.perplexity import text_perplexity, windows
-from edgeserve.evaluation.quality_report import REPORT_CTX, SHIPPED_TEXT, SHIPPED_TEXT_TITLE, quality_report
-from edgeserve.models.convert import check_output, convert
-from edgeserve.models.loader import LoadedModel, load_model
-from edgeserve.quant.affine import QuantizedTensor
-from edgeserve.quant.kquants import KQuantTensor
+from edgeserve.evaluation.shipped_text import SHIPPED_TEXT, SHIPPED_TEXT_TITLE
 from edgeserve.system import usable_cores
 from edgeserve.units import format_size
+
+if TYPE_CHECKING:
+    from edgeserve.models.loader import LoadedModel
 
 PERPLEXITY_WINDOW = 512  # tokens, where --ctx-size is not given
 # Prefill work one CPU core does per second, in parameters x tokens (a 135M model at ~300 tokens/s
@@ -29,6 +27,11 @@ CPU_PARAM_TOKENS_PER_CORE_S = 4e10
 
 def source_layer_bits(model: LoadedModel) -> int | None:
     """The widest width of the source's quantized layer matrices; None where any of them is not quantized."""
+    import numpy as np
+
+    from edgeserve.quant.affine import QuantizedTensor
+    from edgeserve.quant.kquants import KQuantTensor
+
     widths = []
     for name, w in model.weights.items():
         if ".layers." not in name:
@@ -44,6 +47,9 @@ def source_layer_bits(model: LoadedModel) -> int | None:
 
 def report_notice(model: LoadedModel) -> str:
     """What --report is about to do, and roughly how long it takes."""
+    from edgeserve.evaluation.perplexity import windows
+    from edgeserve.evaluation.quality_report import REPORT_CTX
+
     tokens = len(model.tokenizer.encode(SHIPPED_TEXT.read_text(encoding="utf-8")))
     count = len(windows(tokens, REPORT_CTX, REPORT_CTX // 2))
     seconds = 2 * count * REPORT_CTX * model.num_parameters / (CPU_PARAM_TOKENS_PER_CORE_S * usable_cores())
@@ -73,6 +79,11 @@ def convert_cmd(source: str, out: Path, bits: str, group_size: str | None, keep_
     without requantizing; the source is never modified, and a failed or interrupted run leaves
     no OUT behind.
     """
+    # the conversion's modules import NumPy and the engine: loaded when it runs, not for --help
+    from edgeserve.models.loader import load_model
+    from edgeserve.models.convert import check_output, convert
+    from edgeserve.evaluation.quality_report import quality_report
+
     check_output(out, force)  # before the slow load
     model = load_model(source)
     width = source_layer_bits(model)
@@ -113,5 +124,7 @@ def perplexity_cmd(model: str, config: EngineConfig, text_path: Path | None) -> 
     except UnicodeDecodeError as exc:
         raise EdgeserveError(f"{text_path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     engine = build_engine(model, config)
+    from edgeserve.evaluation.perplexity import text_perplexity  # imports the engine: after build_engine's note
+
     result = text_perplexity(engine, text, ctx)
     click.echo(f"{result.describe()} on {text_path or SHIPPED_TEXT_TITLE}")

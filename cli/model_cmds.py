@@ -6,15 +6,13 @@ import json
 
 import click
 
-from edgeserve.backends import WEIGHT_MODES, resident_weight_bytes
-from edgeserve.engine.kv_budget import kv_bytes_per_token
+from edgeserve.backends import WEIGHT_MODES
 from edgeserve.metal import active_attention_path
 from edgeserve.metal.launch_limits import describe_attention
 from edgeserve.cli.local_models import as_json, find_local, list_local, remove_local
 from edgeserve.cli.options import BackendChoice
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, local_path, pull as pull_model
-from edgeserve.models.loader import load_model
 from edgeserve.units import format_size
 
 
@@ -73,6 +71,11 @@ def info(model_argument: str | None, model: str | None, sessions: int, context: 
     """Architecture, size, quantization, KV bytes per token and memory for N sessions of C tokens."""
     if model_argument and model and model_argument != model:
         raise EdgeserveError(f"two models given: {model_argument} and -m {model}")
+    # the model's modules import NumPy: loaded when a model is, not for --help
+    from edgeserve.backends import resident_weight_bytes
+    from edgeserve.engine.kv_budget import kv_bytes_per_token
+    from edgeserve.models.loader import load_model
+
     m = load_model(model_argument or model or DEFAULT_MODEL)
     a = m.args
     kv16, kv32 = kv_bytes_per_token(a, 2), kv_bytes_per_token(a, 4)

@@ -5,16 +5,18 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import click
 
 from edgeserve.backends import BACKENDS, WEIGHT_MODES
 from edgeserve.config import DEFAULT_KV_MEMORY, EngineConfig
-from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import DEFAULT_MODEL
-from edgeserve.models.loader import load_model
 from edgeserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from edgeserve.engine.llm_engine import LLMEngine
 
 
 class BackendChoice(click.Choice):
@@ -84,7 +86,16 @@ def sampling_options(temperature: float, max_tokens: int) -> Callable[[Callable]
 
 
 def build_engine(model: str, config: EngineConfig, quiet: bool = False) -> LLMEngine:
-    """Load the model and start an engine, printing what was allocated to stderr."""
+    """Load the model and start an engine, printing what was allocated to stderr.
+
+    On a terminal a note that loading has begun comes first, before the engine's modules (NumPy, the
+    kernels, MLX) are imported, so the command answers at once however long they take.
+    """
+    if not quiet and sys.stderr.isatty():
+        print(f"loading {model}…", file=sys.stderr, flush=True)
+    from edgeserve.engine.llm_engine import LLMEngine
+    from edgeserve.models.loader import load_model
+
     loaded = load_model(model)
     engine = LLMEngine(loaded, config)
     if not quiet:

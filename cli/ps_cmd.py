@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 
 import click
-import httpx
 
 from edgeserve.errors import EdgeserveError
 
 
 def server_state(url: str, api_key: str | None) -> dict:
     """The model names, request counts and KV pool use of the edgeserve server at url."""
+    import httpx
+
     url = url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:

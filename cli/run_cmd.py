@@ -9,7 +9,6 @@ from typing import TextIO
 
 import click
 
-from edgeserve.cli.feedback import PromptSpinner, stderr_console
 from edgeserve.cli.options import build_engine, model_options, sampling_options
 from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
@@ -76,6 +75,8 @@ def run(model: str, config: EngineConfig, settings: dict, prompt_option: str | N
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         ids = engine.chat_prompt_ids(messages)
+    from edgeserve.cli.feedback import PromptSpinner, stderr_console  # rich: not needed for --help
+
     console = stderr_console()
     start = time.perf_counter()
     rid = engine.add_request(ids, params)

@@ -9,15 +9,12 @@ import sys
 from pathlib import Path
 
 import click
-import uvicorn
 
-from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.options import build_engine, model_options
 from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import CATALOG
-from edgeserve.server.app import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, create_app
-from edgeserve.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT, FLUSH_TIMEOUT, DrainingServer
+from edgeserve.server import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, DEFAULT_SHUTDOWN_TIMEOUT
 
 
 def served_model_name(model: str) -> str:
@@ -76,6 +73,13 @@ def serve(model: str, config: EngineConfig, host: str, port: int, api_key: str |
     """Serve a model over the OpenAI API (chat and text completions, streaming) for local tools."""
     sock = _listen(host, port)
     engine = build_engine(model, config)
+    # the server's modules (FastAPI, uvicorn) load here, so --help and a taken port answer at once
+    import uvicorn
+
+    from edgeserve.engine.async_engine import AsyncEngine
+    from edgeserve.server.app import create_app
+    from edgeserve.server.shutdown import FLUSH_TIMEOUT, DrainingServer
+
     aengine = AsyncEngine(engine)
     name = served_model_name(model)
     app = create_app(aengine, name, api_key=api_key, max_queue=max_queue, max_body_size=max_body_size,

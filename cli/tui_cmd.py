@@ -7,11 +7,9 @@ import asyncio
 import click
 from click.core import ParameterSource
 
-from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.chat_clients import ChatClient, EngineClient, RemoteClient
 from edgeserve.cli.options import build_engine, model_options, sampling_options
 from edgeserve.config import EngineConfig
-from edgeserve.cli.tui_app import EdgeserveApp
 from edgeserve.errors import EdgeserveError
 
 
@@ -42,8 +40,13 @@ def tui(ctx: click.Context, model: str, config: EngineConfig, url: str | None,
         client: ChatClient = RemoteClient(url, api_key, chosen)
         asyncio.run(_check(client))  # an unreachable server is one line of error, before the screen opens
     else:
-        aengine = AsyncEngine(build_engine(model, config))
+        engine = build_engine(model, config)
+        from edgeserve.engine.async_engine import AsyncEngine  # imports the engine: after build_engine's note
+
+        aengine = AsyncEngine(engine)
         client = EngineClient(aengine)
+    from edgeserve.cli.tui_app import EdgeserveApp  # Textual, loaded only to open the screen
+
     try:
         app = EdgeserveApp(client, system, settings)
         app.run()

@@ -34,7 +34,8 @@ def invoke(*args: str, input: str | None = None):
 def test_help_shows_every_default():
     ctx = click.Context(cli)
     missing = []
-    for name, command in cli.commands.items():
+    for name in cli.list_commands(ctx):
+        command = cli.get_command(ctx, name)
         subcommands = command.commands.values() if isinstance(command, click.Group) else [command]
         for sub in subcommands:
             sub_ctx = click.Context(sub, parent=ctx, info_name=sub.name)

@@ -318,8 +318,8 @@ def test_existing_output_needs_force(model_path, tmp_path):
 
 @pytest.fixture
 def cli_source(loaded_model, monkeypatch) -> LoadedModel:
-    """The CLI's source loader answers with the already loaded model, whatever the name."""
-    monkeypatch.setattr("edgeserve.cli.convert_cmd.load_model", lambda name: loaded_model)
+    """The model loader answers with the already loaded model, whatever the name."""
+    monkeypatch.setattr("edgeserve.models.loader.load_model", lambda name: loaded_model)
     return loaded_model
 
 

@@ -128,7 +128,7 @@ def test_a_dead_engine_thread_fails_requests_fast_and_health_says_so(server, mon
 
 
 def test_run_with_a_negative_seed(tiny_model, monkeypatch):
-    monkeypatch.setattr("edgeserve.cli.options.load_model", lambda _: tiny_model)
+    monkeypatch.setattr("edgeserve.models.loader.load_model", lambda _: tiny_model)
     done = CliRunner().invoke(cli, ["run", "--backend", "numpy", "--kv-memory", "16MiB", "--seed", "-1",
                                     "--temperature", "1", "--max-tokens", "4", "hi"])
     assert done.exit_code == 0, done.output
@@ -201,7 +201,7 @@ def test_a_sequence_longer_than_the_pool_finishes_with_length(tiny_model):
 def test_start_up_says_when_the_pool_caps_the_context(tiny_model, monkeypatch, capsys):
     from edgeserve.cli.options import build_engine
 
-    monkeypatch.setattr("edgeserve.cli.options.load_model", lambda _: tiny_model)
+    monkeypatch.setattr("edgeserve.models.loader.load_model", lambda _: tiny_model)
     build_engine("tiny", EngineConfig(backend="numpy", kv_memory=4 * 16 * TINY_BYTES_PER_TOKEN))
     assert "max_model_len capped to 64 tokens" in capsys.readouterr().err
     build_engine("tiny", EngineConfig(backend="numpy", kv_memory="16MiB"))

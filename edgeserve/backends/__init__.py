@@ -2,22 +2,37 @@
 
 Callers ask this package, not a backend module: `get_backend` builds one, and the NumPy backend's
 weights modes (how it holds weights: float32 copies or the quantized storage) are named here.
+The backend modules import NumPy (and MLX): they load when a backend is built or one of their
+names is first asked for, so reading the choices (a command's --help) stays instant.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from edgeserve.backends.base import Backend
-from edgeserve.backends.numpy_backend import WEIGHT_MODES, NumpyBackend, choose_weights_mode, resident_weight_bytes
 from edgeserve.errors import EdgeserveError
 from edgeserve.metal import mlx_gpu_available
 from edgeserve.system import available_memory_bytes
 
+if TYPE_CHECKING:
+    from edgeserve.backends.base import Backend
+    from edgeserve.backends.numpy_backend import resident_weight_bytes
+
 BACKENDS = ("auto", "numpy", "mlx")
+WEIGHT_MODES = ("float32", "quantized")
 
 __all__ = ["BACKENDS", "WEIGHT_MODES", "Backend", "get_backend", "resident_weight_bytes"]
+
+# names this package hands out from a backend module, loaded on first use
+_LAZY = {"Backend": "edgeserve.backends.base", "resident_weight_bytes": "edgeserve.backends.numpy_backend"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class HasWeights(Protocol):
@@ -45,6 +60,8 @@ def get_backend(name: str = "auto", weights: str = "auto", model: HasWeights | N
         except ImportError as exc:
             raise EdgeserveError(f"the mlx backend needs MLX: pip install 'edgeserve[mlx]' ({exc})") from exc
         return MLXBackend()
+    from edgeserve.backends.numpy_backend import NumpyBackend, choose_weights_mode
+
     if weights == "auto":
         weights = "float32" if model is None else choose_weights_mode(model, available_memory_bytes())
     return NumpyBackend(weights=weights, threads=threads)

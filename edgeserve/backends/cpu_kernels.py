@@ -25,9 +25,9 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from numba import njit
 
 from edgeserve.backends import qmatmul
+from edgeserve.backends.lazy_jit import njit
 from edgeserve.system import usable_cores
 
 # The extension's fused ops, or None where the numba and NumPy code runs instead. Each op returns

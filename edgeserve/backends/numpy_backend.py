@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from edgeserve.backends import cpu_kernels, qmatmul
+from edgeserve.backends import WEIGHT_MODES, cpu_kernels, qmatmul
 from edgeserve.backends.cpu_decoder import CPUDecoder
 from edgeserve.backends.cpu_kernels import compile_now, decode_attention
 from edgeserve.backends.qmatmul import QMatrix
@@ -36,7 +36,6 @@ from edgeserve.errors import EdgeserveError
 from edgeserve.quant.affine import QuantizedTensor
 from edgeserve.quant.kquants import KQuantTensor
 
-WEIGHT_MODES = ("float32", "quantized")
 QUANTIZED = (QuantizedTensor, KQuantTensor)  # weights the kernels compute from as stored
 
 # OpenBLAS's threads spin for a while after each call: beside the kernels' own thread pool on the

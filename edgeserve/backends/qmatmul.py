@@ -35,10 +35,9 @@ import os
 from dataclasses import dataclass
 
 import gguf
-import numba
 import numpy as np
-from numba import njit, prange
 
+from edgeserve.backends.lazy_jit import njit, prange
 from edgeserve.quant.affine import QuantizedTensor, unpack
 from edgeserve.quant.kquants import Q6_K_OFFSET, SUPER, KQuantTensor
 from edgeserve.system import usable_cores
@@ -196,6 +195,8 @@ def set_num_threads(n: int | None = None) -> int:
     if _ext is not None and _IMPL == "c":
         return _ext.set_num_threads(n)
     # numba starts its own pool here, so only when its kernels are the ones in use
+    import numba
+
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     return numba.get_num_threads()
 

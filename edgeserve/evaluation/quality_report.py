@@ -10,14 +10,10 @@ import numpy as np
 from edgeserve.engine.kv_budget import kv_bytes_per_token
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.evaluation.perplexity import PerplexityResult, text_perplexity
+from edgeserve.evaluation.shipped_text import SHIPPED_TEXT, SHIPPED_TEXT_TITLE
 from edgeserve.models.convert import ConversionResult
 from edgeserve.models.loader import LoadedModel, load_folder
 
-SHIPPED_TEXT = Path(__file__).parent / "data" / "alice_ch1-2.txt"
-SHIPPED_TEXT_TITLE = (
-    "Lewis Carroll, \"Alice's Adventures in Wonderland\" (1865), chapters I-II, "
-    "text of Project Gutenberg eBook #11 (public domain)"
-)
 REPORT_CTX = 512
 
 _LAYER_MATRIX = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.weight")

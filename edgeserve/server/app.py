@@ -27,6 +27,7 @@ from edgeserve.text.chat_template import ChatTemplateError
 from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.models.catalog import CATALOG
 from edgeserve.sampling_params import InvalidParamsError
+from edgeserve.server import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE
 from edgeserve.server.generation import Choice, Generation
 from edgeserve.server.metrics import ServerMetrics
 from edgeserve.text.tool_calls import ToolCallStream
@@ -42,8 +43,6 @@ from edgeserve.server.protocol import (
     sse,
 )
 
-DEFAULT_MAX_QUEUE = 256
-DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
 # A token spells at most a few dozen characters in any real vocabulary, so a text this many times
 # longer than the context cannot fit whatever it says: refused before paying to tokenize it.
 MAX_CHARS_PER_TOKEN = 32

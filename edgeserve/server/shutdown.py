@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from edgeserve.server import DEFAULT_SHUTDOWN_TIMEOUT
+
 if TYPE_CHECKING:
     from edgeserve.server.app import _Server
 
-DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 # How long aborted requests get to send their last bytes before the process stops waiting for them.
 FLUSH_TIMEOUT = 5.0
 

@@ -1,0 +1,77 @@
+"""Commands start at once: the `edgeserve` group and every command's --help import none of the heavy
+modules (the server, the TUI, the engine's array libraries), which load only in the commands that use them."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import click
+import pytest
+
+from edgeserve.cli.main import COMMANDS, cli
+
+# FastAPI and uvicorn (serve), Textual (tui), numba (the kernels' fallback), MLX and NumPy (the engine),
+# and what only a model's load needs: transformers (some tokenizers), llguidance (grammars), jinja2 (chat templates)
+HEAVY = ("fastapi", "uvicorn", "textual", "numba", "mlx", "numpy", "transformers", "llguidance", "jinja2")
+
+# Runs the group as the `edgeserve` script does, then prints the heavy modules it imported as JSON on stderr.
+PROBE = """
+import json, sys
+from edgeserve.cli.main import cli
+try:
+    cli(sys.argv[1:], prog_name="edgeserve")
+finally:
+    print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)), file=sys.stderr)
+"""
+
+
+def _run(*args: str) -> tuple[str, list[str]]:
+    """stdout of `edgeserve ARGS` in a fresh interpreter, and the heavy modules it imported."""
+    done = subprocess.run([sys.executable, "-c", PROBE.format(heavy=HEAVY), *args], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout, json.loads(done.stderr.strip().splitlines()[-1])
+
+
+def test_importing_the_command_loads_no_heavy_module():
+    code = f"import sys, edgeserve.cli.main; print([m for m in {HEAVY!r} if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_help_lists_every_command_and_imports_nothing_heavy():
+    out, heavy = _run("--help")
+    assert heavy == []
+    listed = re.findall(r"^  (\S+)\s", out.split("Commands:\n", 1)[1], flags=re.MULTILINE)
+    assert listed == sorted(COMMANDS)
+
+
+@pytest.mark.parametrize("command", [[name] for name in COMMANDS] + [["eval", "perplexity"]], ids=" ".join)
+def test_each_commands_help_imports_nothing_heavy(command):
+    out, heavy = _run(*command, "--help")
+    assert out.startswith(f"Usage: edgeserve {' '.join(command)} ")
+    assert heavy == []
+
+
+def test_the_listing_summaries_are_the_commands_own():
+    """The group lists each command from its table: it must say what the command's own help says."""
+    ctx = click.Context(cli)
+    for name, entry in COMMANDS.items():
+        command = cli.get_command(ctx, name)
+        assert command.name == name
+        assert entry.summary == command.get_short_help_str(limit=10**6), name
+
+
+def test_the_numpy_backend_imports_numba_only_for_the_fallback():
+    code = ("import sys; from edgeserve.backends import get_backend, qmatmul; get_backend('numpy'); "
+            "print(qmatmul.compiled(), 'numba' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    compiled, numba_loaded = done.stdout.split()
+    if compiled != "True":
+        pytest.skip("the C extension is not built: the numba kernels are the ones in use")
+    assert numba_loaded == "False"
