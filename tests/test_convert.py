@@ -18,6 +18,7 @@ from edgeserve.backends import resident_weight_bytes
 from edgeserve.backends.qmatmul import QMatrix
 from edgeserve.cli.main import cli
 from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.engine.prompts import Prompts
 from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, sha256_of
 from edgeserve.models.base import ModelArgs, rope_inv_freq
 from edgeserve.models.loader import LoadedModel, load_folder
@@ -54,7 +55,7 @@ def folder_engines(folders) -> dict[int, LLMEngine]:
 
 @pytest.fixture(scope="module")
 def prompt_ids(source_engine) -> list[int]:
-    return source_engine.chat_prompt_ids(PROMPT)
+    return Prompts.for_engine(source_engine).chat(PROMPT)
 
 
 @pytest.fixture(scope="module")

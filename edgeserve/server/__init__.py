@@ -1,1 +1,3 @@
-"""The OpenAI-compatible HTTP server: app (routes), protocol (request/response bodies), generation, metrics."""
+"""The HTTP server: `app` (create_app, admission), one package per API family (`openai`), edgeserve's own
+routes (`status`), `middleware`, `errors`, `generation` (one API request as engine requests), `metrics`,
+`shutdown`."""
