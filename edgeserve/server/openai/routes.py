@@ -65,7 +65,9 @@ class _OpenAI:
         max_tokens = body.requested_max_tokens or self.aengine.info.max_model_len  # the engine caps it at the context
         tool_format = self.aengine.tool_format
         forced = body.forced_tools()
-        grammar = tool_format.grammar(forced, body.parallel_tool_calls and body.choice == "required") if forced else None
+        grammar = None
+        if forced:
+            grammar = tool_format.grammar(forced, body.parallel_tool_calls and body.choice == "required")
         params = await self._params(body, max_tokens, body.num_logprobs, grammar)
         gen = server.start("chatcmpl", [ids], params, body.n, body.seed, body.stream)
         response = ChatResponse(gen, server.model_name, self.aengine.tokenizer, tool_format if tools else None)
