@@ -96,9 +96,9 @@ async def test_prompt_checks_through_the_door(aengine):
         aengine.check_prompt([5] * info.max_model_len)
     with pytest.raises(EdgeserveError, match="empty"):
         aengine.check_prompt([])
-    with pytest.raises(EdgeserveError, match="outside the vocabulary"):
-        aengine.check_prompt([5, info.prompt_vocab_size])
-    with pytest.raises(EdgeserveError, match="outside the vocabulary"):
+    with pytest.raises(EdgeserveError, match="outside the model's vocabulary"):
+        aengine.check_prompt([5, info.vocab_size])
+    with pytest.raises(EdgeserveError, match="outside the model's vocabulary"):
         aengine.check_prompt([-1, 5])
 
 
@@ -139,8 +139,8 @@ async def test_a_snapshot_reads_stats_and_blocks_together(aengine):
 def test_an_out_of_vocabulary_prompt_fails_alone_in_the_engine(tiny_model):
     engine = make_engine(tiny_model)
     engine.add_request([5, 6, 7], GREEDY, "good")
-    with pytest.raises(EdgeserveError, match="outside the vocabulary"):
-        engine.add_request([5, tiny_model.tokenizer.vocab_size + 3], GREEDY, "bad")
+    with pytest.raises(EdgeserveError, match="outside the model's vocabulary"):
+        engine.add_request([5, engine.vocab_size + 3], GREEDY, "bad")
     assert len(engine.run_to_completion()["good"].token_ids) == GREEDY.max_tokens
 
 

@@ -58,19 +58,18 @@ class EngineInfo:
     backend: str  # the array backend's name
     context_len: int  # the model's context, capped by max_model_len where one was given
     max_model_len: int  # the most tokens one sequence may hold: the context, capped by the KV pool
-    vocab_size: int  # rows of the model's logits (may exceed the tokenizer's vocabulary where the model pads it)
-    prompt_vocab_size: int  # token ids a prompt may hold: the tokenizer's vocabulary
+    vocab_size: int  # rows of the model's embedding and logits (may exceed the tokenizer's vocabulary: padding)
     block_size: int  # tokens per KV block
     num_blocks: int  # blocks in the KV pool
     memory_bytes: int  # the weights as the backend holds them, and the KV pool
 
     def check_prompt(self, prompt_ids: list[int], scored_only: bool = False) -> None:
         """Raise PromptTooLongError when the prompt cannot run even alone (with room for a token after
-        it, unless it is only scored), EdgeserveError when it is empty or holds ids no token has."""
+        it, unless it is only scored), EdgeserveError when it is empty or holds ids the model has no row for."""
         if not prompt_ids:
             raise EdgeserveError("the prompt is empty")
-        if any(not 0 <= t < self.prompt_vocab_size for t in prompt_ids):
-            raise EdgeserveError(f"the prompt holds token ids outside the vocabulary (0..{self.prompt_vocab_size - 1})")
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise EdgeserveError(f"the prompt holds token ids outside the model's vocabulary (0..{self.vocab_size - 1})")
         n = len(prompt_ids)
         if n + (0 if scored_only else 1) > self.context_len:
             raise PromptTooLongError(
@@ -103,8 +102,7 @@ class LLMEngine:
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.info = EngineInfo(
             model_name=model.source.name, backend=self.backend.name, context_len=self.context_len,
-            max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-            prompt_vocab_size=self.tokenizer.vocab_size, block_size=self.pool_size.block_size,
+            max_model_len=self.max_model_len, vocab_size=self.vocab_size, block_size=self.pool_size.block_size,
             num_blocks=self.pool_size.num_blocks, memory_bytes=self._weight_bytes() + self.pool_size.bytes)
         self.constraints = Constraints(self.tokenizer, self.vocab_size)
         self._ids = itertools.count()

@@ -71,7 +71,12 @@ class Server:
                                 f"{context} tokens can hold", param=param, code="context_length_exceeded")
 
     def check_prompt(self, ids: list[int], param: str) -> None:
-        """A 400 naming param where the prompt cannot run (too long for the context or the pool, or malformed)."""
+        """A 400 naming param where the prompt holds ids the tokenizer does not know, or cannot run (too long for
+        the context or the pool)."""
+        vocab = self.aengine.tokenizer.vocab_size  # the API speaks the tokenizer's ids, not the model's padding
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"{param} holds token ids outside the vocabulary (0..{vocab - 1})",
+                           param=param, code="invalid_value")
         try:
             self.aengine.check_prompt(ids)
         except PromptTooLongError as exc:
