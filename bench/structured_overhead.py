@@ -17,6 +17,7 @@ import time
 
 from edgeserve.config import EngineConfig
 from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.engine.prompts import Prompts
 from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.models.loader import load_model
 from edgeserve.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ SCHEMA = {"type": "array", "minItems": 64, "items": {
 
 
 def add_streams(engine: LLMEngine, streams: int, max_tokens: int, temperature: float, constrained: bool) -> None:
-    prompt = engine.chat_prompt_ids([{"role": "user", "content": "List the items in the shop as JSON."}])
+    prompt = Prompts.for_engine(engine).chat([{"role": "user", "content": "List the items in the shop as JSON."}])
     for i in range(streams):
         engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
                                                   ignore_eos=True, json_schema=SCHEMA if constrained else None))

@@ -115,38 +115,24 @@ class ChatClient(ABC):
     async def status(self) -> ServingStatus: ...
 
 
-def _nbytes(obj: Any) -> int:
-    if hasattr(obj, "nbytes"):
-        return int(obj.nbytes)
-    if is_dataclass(obj):  # a model's layers and their parts
-        obj = vars(obj)
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
-
-
 class EngineClient(ChatClient):
-    """The in-process engine, shared by every session of a front end."""
+    """The in-process engine, through its door, shared by every session of a front end."""
 
     def __init__(self, aengine: AsyncEngine):
         self.aengine = aengine
-        engine = aengine.engine
-        self.engine = engine
-        self.model_name = engine.model.source.name
-        self.runs_on = engine.backend.name
-        m = engine.runner.model  # the weights as the backend holds them (NumPy dequantizes to float32)
-        weights = _nbytes([m.embed, m.norm, m.layers]) + (0 if m.lm_head is m.embed else _nbytes(m.lm_head))
-        self.memory_bytes = weights + engine.pool_size.bytes
+        info = aengine.info
+        self.model_name = info.model_name
+        self.runs_on = info.backend
+        self.memory_bytes = info.memory_bytes
         # one sequence can hold no more than the model's context, nor more than the whole KV pool
-        self.context_tokens = min(engine.max_model_len, engine.pool_size.tokens)
+        self.context_tokens = info.max_model_len
 
     def count_tokens(self, messages: list[dict]) -> int:
-        return len(self.engine.chat_prompt_ids(messages))
+        # synchronous, as the chat front ends ask it: a conversation renders in milliseconds
+        return len(self.aengine.prompts.chat(messages))
 
     async def stream(self, messages: list[dict], params: SamplingParams, request_id: str) -> AsyncIterator[ReplyChunk]:
-        ids = self.engine.chat_prompt_ids(messages)
+        ids = await self.aengine.chat_prompt(messages)
         async for out in self.aengine.generate(ids, params, request_id):
             if out.error:
                 raise EdgeserveError(out.error)
@@ -158,13 +144,13 @@ class EngineClient(ChatClient):
 
     async def status(self) -> ServingStatus:
         # both read between two steps, so the figures and the map agree
-        st, kv = await self.aengine.call(lambda engine: (engine.stats(), engine.kv_map()))
+        st, kv = await self.aengine.snapshot()
         blocks = [KVBlock(state, owners) for state, owners in kv]
         return ServingStatus(
             running=st.running, waiting=st.waiting, batch_size=st.last_batch_seqs if st.running else 0,
             tokens_per_second=st.tokens_per_second if st.running else 0.0, memory_bytes=self.memory_bytes,
             prefix_hit_rate=st.prefix_hit_rate,
-            block_size=self.engine.pool_size.block_size, kv_blocks=blocks)
+            block_size=self.aengine.info.block_size, kv_blocks=blocks)
 
 
 class RemoteClient(ChatClient):

@@ -73,8 +73,10 @@ def run(model: str, config: EngineConfig, settings: dict, prompt_option: str | N
     if raw or engine.tokenizer.chat_template is None and system is None:
         ids = engine.tokenize_prompt(prompt)
     else:
+        from edgeserve.engine.prompts import Prompts  # loaded with the engine, not before the command runs
+
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        ids = engine.chat_prompt_ids(messages)
+        ids = Prompts.for_engine(engine).chat(messages)
     from edgeserve.cli.feedback import PromptSpinner, stderr_console  # rich: not needed for --help
 
     console = stderr_console()

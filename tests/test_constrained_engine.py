@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from edgeserve.cli.main import cli
 from edgeserve.engine.constraints import ll_tokenizer
 from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.engine.prompts import Prompts
 from edgeserve.llm import LLM
 from edgeserve.sampling_params import InvalidParamsError, SamplingParams
 from edgeserve.text.tokenizer import Tokenizer
@@ -33,7 +34,7 @@ def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
 
 def test_free_rows_are_the_same_with_constrained_rows_in_their_batch(loaded_model) -> None:
     engine = LLMEngine(loaded_model, backend="numpy", kv_memory="128MiB")
-    ids = [engine.chat_prompt_ids([{"role": "user", "content": text}])
+    ids = [Prompts.for_engine(engine).chat([{"role": "user", "content": text}])
            for text in ("Tell me about cats.", "Name three rivers.", "Describe a person in JSON.")]
     free = {"greedy": (ids[0], SamplingParams(max_tokens=24, temperature=0)),
             "seeded": (ids[1], SamplingParams(max_tokens=24, temperature=1.0, seed=11))}
@@ -76,7 +77,7 @@ def test_ignore_eos_still_ends_at_the_grammars_end(tiny_model) -> None:
 
 def test_offline_generate_with_a_schema(model_path) -> None:
     llm = LLM(str(model_path), backend="numpy", kv_memory="64MiB")
-    prompt = llm.engine.chat_prompt_ids([{"role": "user", "content": "A product as JSON."}])
+    prompt = llm.engine.prompts.chat([{"role": "user", "content": "A product as JSON."}])
     results = llm.generate([prompt, prompt], [SamplingParams(max_tokens=200, temperature=t, seed=4, json_schema=SCHEMA)
                                               for t in (0.0, 1.0)])
     for result in results:

@@ -18,6 +18,7 @@ from edgeserve.backends import resident_weight_bytes
 from edgeserve.backends.qmatmul import QMatrix
 from edgeserve.cli.main import cli
 from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.engine.prompts import Prompts
 from edgeserve.evaluation.perplexity import perplexity, windows
 from edgeserve.evaluation.quality_report import SHIPPED_TEXT, layer_error_table, quality_report
 from edgeserve.models.base import ModelArgs, rope_inv_freq
@@ -54,7 +55,7 @@ def folder_engines(folders) -> dict[int, LLMEngine]:
 
 @pytest.fixture(scope="module")
 def prompt_ids(source_engine) -> list[int]:
-    return source_engine.chat_prompt_ids(PROMPT)
+    return Prompts.for_engine(source_engine).chat(PROMPT)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from edgeserve.config import EngineConfig
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.engine.output import RequestOutput
+from edgeserve.engine.prompts import Prompts
 from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.sampling_params import SamplingParams
 
@@ -96,7 +97,7 @@ def test_a_rows_logits_do_not_depend_on_the_batch_on_the_real_model(loaded_model
     """A prompt's logits alone and with more rows in the batch (as a prefix-cache hit or another request
     changes it): a difference of 0.02 is enough to change a seeded or even a greedy answer."""
     engine = make_engine(loaded_model)
-    ids = engine.chat_prompt_ids([{"role": "user", "content": "Tell me a story."}])
+    ids = Prompts.for_engine(engine).chat([{"role": "user", "content": "Tell me a story."}])
     alone = engine.prompt_logits(ids)
     among_more = engine.prompt_logits(ids + ids[:3])[: len(ids)]
     assert np.abs(alone - among_more).max() < 1e-3

@@ -21,6 +21,7 @@ from loopback import ServerThread
 from edgeserve.cli.main import cli
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.engine.prompts import Prompts
 from edgeserve.errors import ModelLoadError
 from edgeserve.models.base import rope_attention_factor
 from edgeserve.models.loader import LoadedModel, load_folder, load_gguf
@@ -272,7 +273,7 @@ def test_served_over_http_as_in_process(family):
     name, model = family
     messages = [{"role": "user", "content": "Say something."}]
     engine = LLMEngine(model, backend="numpy", kv_memory="16MiB")
-    prompt = engine.chat_prompt_ids(messages)
+    prompt = Prompts.for_engine(engine).chat(messages)
     engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), "r")
     want = model.tokenizer.decode(engine.run_to_completion()["r"].token_ids, skip_special_tokens=True)
     aengine = AsyncEngine(engine)

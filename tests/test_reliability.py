@@ -66,10 +66,11 @@ def test_any_int64_seed_seeds_a_generator(tiny_model):
 
 
 def test_a_request_that_cannot_start_fails_alone(tiny_model, monkeypatch):
-    aengine = AsyncEngine(make_engine(tiny_model))
-    real = aengine.engine.tokenize_prompt
-    monkeypatch.setattr(aengine.engine, "tokenize_prompt",
+    engine = make_engine(tiny_model)
+    real = engine.tokenize_prompt
+    monkeypatch.setattr(engine, "tokenize_prompt",
                         lambda p: (_ for _ in ()).throw(ValueError("boom")) if p == "bad" else real(p))
+    aengine = AsyncEngine(engine)
 
     async def both() -> tuple[BaseException | None, int]:
         with pytest.raises(EdgeserveError, match="boom") as failed:
@@ -86,10 +87,11 @@ def test_a_request_that_cannot_start_fails_alone(tiny_model, monkeypatch):
 
 
 @pytest.fixture
-def server(tiny_model) -> Iterator[tuple[AsyncEngine, str]]:
-    aengine = AsyncEngine(make_engine(tiny_model))
+def server(tiny_model) -> Iterator[tuple[LLMEngine, AsyncEngine, str]]:
+    engine = make_engine(tiny_model)
+    aengine = AsyncEngine(engine)
     srv = ServerThread(create_app(aengine, "tiny"))
-    yield aengine, srv.url
+    yield engine, aengine, srv.url
     srv.stop()
     aengine.shutdown()
 
@@ -100,7 +102,7 @@ def chat(url: str, **extra) -> httpx.Response:
 
 
 def test_a_negative_seed_is_served_and_the_server_stays_up(server):
-    _, url = server
+    _, _, url = server
     for seed in (-1, -(2**63)):
         r = chat(url, seed=seed, temperature=1)
         assert r.status_code == 200, r.text
@@ -109,12 +111,12 @@ def test_a_negative_seed_is_served_and_the_server_stays_up(server):
 
 
 def test_a_dead_engine_thread_fails_requests_fast_and_health_says_so(server, monkeypatch):
-    aengine, url = server
+    engine, aengine, url = server
 
     def broken() -> bool:
         raise RuntimeError("injected engine fault")
 
-    monkeypatch.setattr(aengine.engine, "has_unfinished", broken)
+    monkeypatch.setattr(engine, "has_unfinished", broken)
     aengine._wake.set()
     aengine._thread.join(timeout=10)
     assert not aengine.alive and "injected engine fault" in aengine.error
@@ -172,10 +174,10 @@ def test_a_row_that_fails_sampling_or_output_fails_alone(tiny_model, monkeypatch
     engine = make_engine(tiny_model)
     real_process = engine.output.process
 
-    def process(seq: Sequence, token: int, logits_row: np.ndarray) -> RequestOutput:
+    def process(seq: Sequence, token: int, logits_row: np.ndarray, grammar_complete: bool) -> RequestOutput:
         if seq.request_id == "bad-output":
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
-        return real_process(seq, token, logits_row)
+        return real_process(seq, token, logits_row, grammar_complete)
 
     monkeypatch.setattr(engine.output, "process", process)
     for rid in ("good", "bad-sample", "bad-output"):

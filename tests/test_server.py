@@ -144,17 +144,17 @@ def test_the_catalog_name_of_the_served_file_is_accepted(real_client: openai.Ope
 
 def test_chat_usage_and_logprobs_match_the_tokenizer(real_client: openai.OpenAI, real_server: ServerThread,
                                                      real_model_name: str) -> None:
-    engine = real_server.app.state.server.engine
+    aengine = real_server.app.state.server.aengine
     messages = chat("Name three colors.")
     out = real_client.chat.completions.create(model=real_model_name, messages=messages, max_completion_tokens=10,
                                               temperature=0, logprobs=True, top_logprobs=3, extra_body=IGNORE_EOS)
     choice = out.choices[0]
     assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
     assert choice.finish_reason == "length" and choice.message.role == "assistant"
-    assert out.usage.prompt_tokens == len(engine.chat_prompt_ids(messages))
+    assert out.usage.prompt_tokens == len(aengine.prompts.chat(messages))
     assert out.usage.completion_tokens == 10
     assert out.usage.total_tokens == out.usage.prompt_tokens + 10
-    assert len(engine.tokenizer.encode(choice.message.content, add_bos=False)) == 10
+    assert len(aengine.tokenizer.encode(choice.message.content, add_bos=False)) == 10
     content = choice.logprobs.content
     assert len(content) == 10
     assert "".join(t.token for t in content) == choice.message.content
@@ -227,7 +227,7 @@ def test_penalties_reach_the_sampler(real_client: openai.OpenAI, real_model_name
 
 
 def test_logit_bias(client: openai.OpenAI, engine: AsyncEngine, model_name: str) -> None:
-    tok = engine.engine.tokenizer
+    tok = engine.tokenizer
     kwargs = dict(model=model_name, prompt="1, 2, 3, 4,", max_tokens=4, temperature=0, extra_body=IGNORE_EOS)
     first = tok.encode(client.completions.create(**kwargs).choices[0].text, add_bos=False)[0]
     banned = client.completions.create(**kwargs, logit_bias={str(first): -100}).choices[0].text

@@ -109,7 +109,7 @@ def test_text_far_beyond_the_context_is_refused_untokenized(server: ServerThread
         raise AssertionError("tokenized a prompt that cannot fit")
 
     monkeypatch.setattr(Tokenizer, "encode", refuse)
-    text = "x" * (MAX_CHARS_PER_TOKEN * engine.engine.max_model_len + 1)
+    text = "x" * (MAX_CHARS_PER_TOKEN * engine.info.max_model_len + 1)
     body = {"prompt": text} if param == "prompt" else {"messages": [{"role": "user", "content": text}]}
     message = _error(http.post(server.url + path, json=body), 400, "context_length_exceeded", param)
     assert "characters" in message
@@ -196,7 +196,7 @@ def test_the_openai_client_still_gets_through(server: ServerThread) -> None:
 def test_a_prompt_over_the_context_is_a_400_context_length_exceeded(server: ServerThread,
                                                                     engine: AsyncEngine) -> None:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    too_long = "x" * (engine.engine.max_model_len + 10)  # one token a character in the tiny vocabulary
+    too_long = "x" * (engine.info.max_model_len + 10)  # one token a character in the tiny vocabulary
     with pytest.raises(openai.BadRequestError) as chat:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": too_long}], max_tokens=1)
     assert chat.value.code == "context_length_exceeded" and chat.value.param == "messages"

@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # each top-level source folder, by where its files go in the wheel
 PARTS = {"edgeserve": "edgeserve", "models": "edgeserve/models", "quant": "edgeserve/quant",
          "metal": "edgeserve/metal", "cli": "edgeserve/cli"}
-SUBPACKAGES = ["edgeserve/backends", "edgeserve/engine", "edgeserve/server", "edgeserve/text", "edgeserve/bench",
-               "edgeserve/models", "edgeserve/quant", "edgeserve/metal", "edgeserve/cli"]
+SUBPACKAGES = ["edgeserve/backends", "edgeserve/engine", "edgeserve/server", "edgeserve/server/openai", "edgeserve/text",
+               "edgeserve/bench", "edgeserve/models", "edgeserve/quant", "edgeserve/metal", "edgeserve/cli"]
 NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__",
                                     ".pytest_cache", ".hypothesis", "*.so", "*.pyd", "tests")
 TIMEOUT = 300  # seconds for one step on a slow, shared CPU

@@ -1,6 +1,8 @@
-"""The engine's step loop on a background thread, streaming per-request deltas to asyncio consumers.
+"""The one door into an engine: its step loop on a background thread, per-request deltas streamed to asyncio
+consumers, and the prompt-side work, each safe to call from an event loop.
 
-Every front end (server, chat, TUI) shares one AsyncEngine, so all their sessions are batched together.
+Every front end (server, chat, TUI, the offline LLM) holds an AsyncEngine and nothing behind it, so all
+their sessions are batched together and none touches the engine thread's objects.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from edgeserve.engine.llm_engine import EngineStats, LLMEngine
+from edgeserve.engine.llm_engine import EngineInfo, EngineStats, LLMEngine
 from edgeserve.engine.output import RequestOutput
+from edgeserve.engine.prompts import Prompts
 from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import SamplingParams
+from edgeserve.text.tokenizer import Tokenizer
+from edgeserve.text.tool_calls import ToolCallFormat
 
 # A test hook for the fault tests: with this set to N, the engine thread raises after its Nth step,
 # outside the step's own error handling, as a bug in the loop itself would.
@@ -24,9 +29,17 @@ FAULT_ENV = "EDGESERVE_TEST_ENGINE_FAULT"
 
 
 class AsyncEngine:
+    """`AsyncEngine(LLMEngine(...))` starts the engine thread; from then on the engine is reached only through here.
+
+    Requests: `generate` (a stream of deltas), `abort`. State: `info` (fixed), `stats`, `kv_map`, `snapshot`.
+    Prompt side: `chat_prompt`, `tokenize`, `check_prompt`, `compile_grammar`; `prompts` holds the same work
+    as plain calls, for code that runs no event loop.
+    """
+
     def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
+        self._engine = engine  # the engine thread's alone: reached from other threads only through the inbox
+        self.info: EngineInfo = engine.info
+        self.prompts = Prompts.for_engine(engine)
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stats = engine.stats()
@@ -36,6 +49,43 @@ class AsyncEngine:
         self._fault_after = int(os.environ.get(FAULT_ENV, "0"))
         self._thread = threading.Thread(target=self._loop, name="edgeserve-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, read-only: for turning token ids of outputs into text (logprobs)."""
+        return self.prompts.tokenizer
+
+    @property
+    def tool_format(self) -> ToolCallFormat:
+        """How the model's answers call tools (their grammar, and how to parse them)."""
+        return self.prompts.tool_format
+
+    # the prompt side: worker threads, since a long prompt takes seconds to render or a grammar to compile
+
+    async def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                          add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of messages rendered through the model's chat template, offering tools."""
+        return await asyncio.to_thread(self.prompts.chat, messages, tools, add_generation_prompt)
+
+    async def tokenize(self, text: str) -> list[int]:
+        """A plain text prompt's token ids."""
+        return await asyncio.to_thread(self.prompts.encode, text)
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """Raise PromptTooLongError where the prompt cannot run even alone, EdgeserveError where it is malformed.
+
+        Arithmetic on fixed limits, so called directly.
+        """
+        self.prompts.check(prompt_ids)
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Check params against the vocabulary and compile their grammar; InvalidParamsError where either fails."""
+        if params.constraint is None:  # nothing to compile: no thread needed
+            self.prompts.compile_grammar(params)
+        else:
+            await asyncio.to_thread(self.prompts.compile_grammar, params)
+
+    # state --------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
         """A snapshot taken by the engine thread after its latest step."""
@@ -66,7 +116,7 @@ class AsyncEngine:
             loop, q = target
             if not _post(loop, q.put_nowait, out):  # its consumer's event loop is gone: nobody reads on
                 self._streams.pop(request_id, None)
-                self.engine.abort(request_id)
+                self._engine.abort(request_id)
 
     def _take_inbox(self) -> Iterator[tuple[str, Any]]:
         """The queued messages, oldest first, until the inbox is empty."""
@@ -81,7 +131,7 @@ class AsyncEngine:
             if kind == "add":
                 request_id, prompt, params = payload
                 try:
-                    self.engine.add_request(prompt, params, request_id)
+                    self._engine.add_request(prompt, params, request_id)
                 except EdgeserveError as exc:
                     self._deliver(exc, request_id)
                 except Exception as exc:  # a request that cannot start fails alone, never the engine thread
@@ -89,14 +139,14 @@ class AsyncEngine:
             elif kind == "call":  # run fn on the engine thread, between steps
                 fn, loop, future = payload
                 try:
-                    result = fn(self.engine)
+                    result = fn(self._engine)
                 except Exception as exc:
                     _post(loop, _settle, (future, exc, None))
                 else:
                     _post(loop, _settle, (future, None, result))
             elif kind == "abort":
                 try:
-                    final = self.engine.abort(payload)
+                    final = self._engine.abort(payload)
                 except Exception as exc:
                     self._deliver(EdgeserveError(f"abort failed: {exc!r}"), payload)
                 else:
@@ -123,21 +173,21 @@ class AsyncEngine:
         steps = 0
         while not self._stop.is_set():
             self._drain_inbox()
-            if not self.engine.has_unfinished():
-                self._stats = self.engine.stats()
+            if not self._engine.has_unfinished():
+                self._stats = self._engine.stats()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self._engine.step()
             except Exception as exc:  # a broken step must not kill the server: fail the running requests
-                for rid in self.engine.request_ids():
-                    self.engine.abort(rid)
+                for rid in self._engine.request_ids():
+                    self._engine.abort(rid)
                     self._deliver(EdgeserveError(f"engine step failed: {exc}"), rid)
                 outputs = []
             for out in outputs:
                 self._deliver(out, out.request_id)
-            self._stats = self.engine.stats()
+            self._stats = self._engine.stats()
             steps += 1
             if steps == self._fault_after:
                 raise RuntimeError(f"injected engine fault after {steps} steps ({FAULT_ENV})")
@@ -168,7 +218,10 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
 
     async def call(self, fn: Any) -> Any:
-        """Run fn(engine) on the engine thread between steps (safe access to its state)."""
+        """Run fn(engine) on the engine thread between steps (safe access to its state).
+
+        For tools and tests that need more than this door shows; front ends use the methods here.
+        """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._inbox.put(("call", (fn, loop, future)))
@@ -178,7 +231,12 @@ class AsyncEngine:
         return await future
 
     async def kv_map(self) -> list[tuple[str, list[str]]]:
+        """Each KV pool block's state ('free', 'cached', 'used' or 'shared') and the requests holding it."""
         return await self.call(lambda engine: engine.kv_map())
+
+    async def snapshot(self) -> tuple[EngineStats, list[tuple[str, list[str]]]]:
+        """The stats and the KV map read together between two steps, so that they agree."""
+        return await self.call(lambda engine: (engine.stats(), engine.kv_map()))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

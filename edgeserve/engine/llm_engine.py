@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,6 @@ from edgeserve.engine.sequence import Sequence
 from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.models.loader import LoadedModel, load_model
 from edgeserve.sampling_params import SamplingParams
-from edgeserve.text.chat_template import ChatTemplate
 
 
 @dataclass
@@ -51,6 +50,36 @@ class EngineStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine is and what it takes, fixed once it is built: any thread may read it."""
+
+    model_name: str  # the model's file or folder name
+    backend: str  # the array backend's name
+    context_len: int  # the model's context, capped by max_model_len where one was given
+    max_model_len: int  # the most tokens one sequence may hold: the context, capped by the KV pool
+    vocab_size: int  # rows of the model's embedding and logits (may exceed the tokenizer's vocabulary: padding)
+    block_size: int  # tokens per KV block
+    num_blocks: int  # blocks in the KV pool
+    memory_bytes: int  # the weights as the backend holds them, and the KV pool
+
+    def check_prompt(self, prompt_ids: list[int], scored_only: bool = False) -> None:
+        """Raise PromptTooLongError when the prompt cannot run even alone (with room for a token after
+        it, unless it is only scored), EdgeserveError when it is empty or holds ids the model has no row for."""
+        if not prompt_ids:
+            raise EdgeserveError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise EdgeserveError(f"the prompt holds token ids outside the model's vocabulary (0..{self.vocab_size - 1})")
+        n = len(prompt_ids)
+        if n + (0 if scored_only else 1) > self.context_len:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens but the model's context is {self.context_len} tokens")
+        if blocks_for(n + 1, self.block_size) > self.num_blocks:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens but the KV pool holds only {self.num_blocks * self.block_size} tokens "
+                f"({self.num_blocks} blocks); raise --kv-memory")
+
+
 class LLMEngine:
     """`LLMEngine(model, EngineConfig(...))`; keyword arguments override single config fields."""
 
@@ -71,7 +100,10 @@ class LLMEngine:
         # a longer sequence could never grow, even alone in the pool
         self.max_model_len = min(self.context_len, self.pool_size.tokens)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
-        self.chat_template = ChatTemplate.for_tokenizer(self.tokenizer)
+        self.info = EngineInfo(
+            model_name=model.source.name, backend=self.backend.name, context_len=self.context_len,
+            max_model_len=self.max_model_len, vocab_size=self.vocab_size, block_size=self.pool_size.block_size,
+            num_blocks=self.pool_size.num_blocks, memory_bytes=self._weight_bytes() + self.pool_size.bytes)
         self.constraints = Constraints(self.tokenizer, self.vocab_size)
         self._ids = itertools.count()
         self._stats = EngineStats()
@@ -89,35 +121,24 @@ class LLMEngine:
         """Rows of the model's logits (may exceed the tokenizer's vocabulary where the model pads it)."""
         return self.model.args.vocab_size
 
+    def _weight_bytes(self) -> int:
+        """The weights as the backend holds them (the NumPy backend may hold float32 copies)."""
+        m = self.runner.model
+        return _nbytes([m.embed, m.norm, m.layers]) + (0 if m.lm_head is m.embed else _nbytes(m.lm_head))
+
     @classmethod
     def from_name(cls, name: str, config: EngineConfig | None = None, **overrides: Any) -> LLMEngine:
         return cls(load_model(name), config, **overrides)
 
     # requests -----------------------------------------------------------------
 
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                        tools: list[dict] | None = None) -> list[int]:
-        """Render messages (offering tools) with the model's chat template and tokenize (BOS comes from the template)."""
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
-        return self.tokenizer.encode(text, add_bos=False)
-
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids: a text is encoded (with BOS where the model wants one), a list is taken as is."""
         return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
 
     def check_prompt(self, prompt_ids: list[int], scored_only: bool = False) -> None:
-        """Raise PromptTooLongError when the prompt cannot run even alone (with room for a token after
-        it, unless it is only scored)."""
-        if not prompt_ids:
-            raise EdgeserveError("the prompt is empty")
-        n = len(prompt_ids)
-        if n + (0 if scored_only else 1) > self.context_len:
-            raise PromptTooLongError(
-                f"prompt has {n} tokens but the model's context is {self.context_len} tokens")
-        need = blocks_for(n + 1, self.pool_size.block_size)
-        if need > self.pool_size.num_blocks:
-            raise PromptTooLongError(
-                f"prompt has {n} tokens but the KV pool holds only {self.pool_size.tokens} tokens "
-                f"({self.pool_size.num_blocks} blocks); raise --kv-memory")
+        """See EngineInfo.check_prompt."""
+        self.info.check_prompt(prompt_ids, scored_only)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -126,7 +147,7 @@ class LLMEngine:
         ids = self.tokenize_prompt(prompt)
         self.check_prompt(ids)
         request_id = request_id or f"req-{next(self._ids)}"
-        if self.output.get(request_id) is not None:
+        if request_id in self.output:
             raise EdgeserveError(f"duplicate request id {request_id!r}")
         self.constraints.add(request_id, params)
         room = self.max_model_len - len(ids)
@@ -139,16 +160,16 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output, if it was live."""
-        state = self.output.get(request_id)
-        if state is None:
+        seq = self.output.sequence(request_id)
+        if seq is None:
             return None
-        self.scheduler.finish(state.seq)
+        self.scheduler.finish(seq)
         self.constraints.drop(request_id)
-        return self.output.abort(state)
+        return self.output.abort(request_id)
 
     def request_ids(self) -> list[str]:
         """The requests in flight (waiting or running)."""
-        return list(self.output.requests)
+        return self.output.request_ids()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -214,15 +235,14 @@ class LLMEngine:
             if error is None:
                 try:
                     seq.token_ids.append(token)
-                    if self.constraints.accept(seq, token):
-                        self.output.requests[seq.request_id].grammar_complete = True
-                    out = self.output.process(seq, token, logits[row])
+                    grammar_complete = self.constraints.accept(seq, token)
+                    out = self.output.process(seq, token, logits[row], grammar_complete)
                 except Exception as exc:  # detokenizing one request must not fail the batch
                     error = f"output failed: {exc}"
             if error is not None:
                 self.scheduler.finish(seq)
                 self.constraints.drop(seq.request_id)
-                outputs.append(self.output.fail(self.output.requests[seq.request_id], error))
+                outputs.append(self.output.fail(seq.request_id, error))
                 continue
             if out.finished:
                 self.scheduler.finish(seq)
@@ -276,3 +296,16 @@ class LLMEngine:
             span = self._recent[-1][0] - self._recent[0][0]
             st.tokens_per_second = sum(n for _, n in self._recent[1:]) / span if span > 0 else 0.0
         return EngineStats(**st.__dict__)
+
+
+def _nbytes(obj: Any) -> int:
+    """The bytes of the arrays in obj, however nested in lists, dicts and dataclasses (a model's layers)."""
+    if hasattr(obj, "nbytes"):
+        return int(obj.nbytes)
+    if is_dataclass(obj):
+        obj = vars(obj)
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0

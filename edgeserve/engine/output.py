@@ -45,7 +45,6 @@ class RequestState:
         self.sent = 0  # characters of text already sent
         self.first_token_time: float | None = None
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
-        self.grammar_complete = False  # set by the engine when the request's grammar has ended: it ends with it
 
     @property
     def finished(self) -> bool:
@@ -56,8 +55,11 @@ class RequestState:
         """Characters that may start a stop string, so are not sent before the next token decides."""
         return max(len(s) for s in self.seq.params.stop) - 1 if self.seq.params.stop else 0
 
-    def add_token(self, token: int, stop_token: bool, max_model_len: int) -> None:
-        """Take the token just appended to the sequence: extend the text, and finish where it ends."""
+    def add_token(self, token: int, stop_token: bool, grammar_complete: bool, max_model_len: int) -> None:
+        """Take the token just appended to the sequence: extend the text, and finish where it ends.
+
+        grammar_complete: the token completed the request's grammar, so the request ends with it.
+        """
         seq, p = self.seq, self.seq.params
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
@@ -72,7 +74,7 @@ class RequestState:
                 self.text = self.text[: min(hits)]
                 self.finish_reason = "stop"
                 return
-        if self.grammar_complete:
+        if grammar_complete:
             self.text += self.detokenizer.flush()
             self.finish_reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
@@ -105,38 +107,52 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.requests: dict[str, RequestState] = {}
+        self._states: dict[str, RequestState] = {}
 
     def add(self, seq: Sequence) -> None:
-        self.requests[seq.request_id] = RequestState(seq, self.tokenizer)
+        self._states[seq.request_id] = RequestState(seq, self.tokenizer)
 
-    def process(self, seq: Sequence, token: int, logits_row: np.ndarray) -> RequestOutput:
-        """The output for the token just sampled for seq (from logits_row), with logprobs if asked for."""
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def request_ids(self) -> list[str]:
+        """The requests in flight, in the order they came."""
+        return list(self._states)
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The sequence of a request in flight, None once it has ended."""
+        state = self._states.get(request_id)
+        return None if state is None else state.seq
+
+    def process(self, seq: Sequence, token: int, logits_row: np.ndarray, grammar_complete: bool = False
+                ) -> RequestOutput:
+        """The output for the token just sampled for seq (from logits_row), with logprobs if asked for.
+
+        grammar_complete: the token completed seq's grammar, which ends the request.
+        """
         p = seq.params
         logprobs = [] if p.logprobs is None else [token_logprobs(logits_row, token, p.logprobs)]
         stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.eos_token_ids)
-        state = self.requests[seq.request_id]
-        state.add_token(token, stop_token, self.max_model_len)
+        state = self._states[seq.request_id]
+        state.add_token(token, stop_token, grammar_complete, self.max_model_len)
         return self._emit(state, [token], logprobs)
 
-    def get(self, request_id: str) -> RequestState | None:
-        return self.requests.get(request_id)
-
-    def abort(self, state: RequestState) -> RequestOutput:
+    def abort(self, request_id: str) -> RequestOutput:
         """The final output of a request ended from outside."""
+        state = self._states[request_id]
         state.finish_reason = "abort"
         return self._emit(state, [], [])
 
-    def fail(self, state: RequestState, message: str) -> RequestOutput:
+    def fail(self, request_id: str, message: str) -> RequestOutput:
         """The final output of a request that failed on its own (the rest of the batch goes on)."""
-        out = self.abort(state)
+        out = self.abort(request_id)
         out.error = message
         return out
 
     def _emit(self, state: RequestState, new_tokens: list[int], logprobs: list[dict]) -> RequestOutput:
         out = state.output(new_tokens, logprobs)
         if out.finished:
-            del self.requests[out.request_id]
+            del self._states[out.request_id]
         return out
 
 

@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP server: app (routes), protocol (request/response bodies), generation, metrics.
+"""The HTTP server: `app` (create_app, admission), one package per API family (`openai`), edgeserve's own
+routes (`status`), `middleware`, `errors`, `generation` (one API request as engine requests), `metrics`,
+`shutdown`.
 
 The limits the `serve` command offers as options are defined here, where its --help reads them without
 importing the server (FastAPI, uvicorn).

@@ -1,4 +1,5 @@
-"""One API request on the engine: its choices run as engine requests at once, merged into one stream."""
+"""One API request on the engine, whatever its API: its choices run as engine requests at once, merged into one
+stream of engine deltas (the API's module shapes them into its chunks and bodies)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.output import RequestOutput
 from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import SamplingParams
-from edgeserve.server.protocol import APIError, usage
-from edgeserve.text.tool_calls import ToolCallStream, split_reply
+from edgeserve.server.errors import APIError
 
 
 @dataclass
@@ -27,14 +27,11 @@ class Choice:
     params: SamplingParams
     text: list[str] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
-    logprob_offset: int = 0  # where the next token starts in the text, for completions' text_offset
     finish_reason: str | None = None  # None until it ends; still None if it was cancelled
     completion_tokens: int = 0
     cached_tokens: int = 0
     ttft: float | None = None
     elapsed: float = 0.0
-    tool_stream: ToolCallStream | None = None  # where the answer may hold tool calls (chat with tools)
-    tool_calls: int = 0  # how many the answer holds
 
     def update(self, out: RequestOutput) -> None:
         self.text.append(out.text)
@@ -45,35 +42,6 @@ class Choice:
         self.elapsed = out.elapsed
         if out.finished:
             self.finish_reason = out.finish_reason
-
-    @property
-    def chat_finish_reason(self) -> str | None:
-        """OpenAI's reason: "tool_calls" where the answer ended after calling tools."""
-        return "tool_calls" if self.tool_calls and self.finish_reason == "stop" else self.finish_reason
-
-    def message(self) -> dict:
-        """The whole answer as a chat message: content, and tool calls where it made some."""
-        text = "".join(self.text)
-        if self.tool_stream is None:
-            return {"role": "assistant", "content": text}
-        content, calls = split_reply(text, self.tool_stream.fmt)
-        self.tool_calls = len(calls)
-        message: dict = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [call.openai() for call in calls]
-        return message
-
-    def chat_delta(self, out: RequestOutput) -> dict:
-        """The streamed chat delta for out: its content, and each tool call whole once its text is complete."""
-        if self.tool_stream is None:
-            return {"content": out.text} if out.text else {}
-        content, calls = self.tool_stream.feed(out.text, out.finished)
-        delta: dict = {"content": content} if content else {}
-        if calls:
-            first = self.tool_calls
-            delta["tool_calls"] = [call.openai(index=first + i) for i, call in enumerate(calls)]
-            self.tool_calls += len(calls)
-        return delta
 
 
 class Generation:
@@ -151,10 +119,14 @@ class Generation:
         if self.error is not None:
             raise APIError(500, f"generation failed: {self.error}", "server_error")
 
-    def usage(self) -> dict:
-        # A prompt counts once however many choices share it, and so do its cached tokens.
-        cached = sum(c.cached_tokens for c in self.choices if c.index % self.n == 0)
-        return usage(self.prompt_tokens, sum(c.completion_tokens for c in self.choices), cached)
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache: a prompt counts once however many choices share it."""
+        return sum(c.cached_tokens for c in self.choices if c.index % self.n == 0)
 
 
 async def _until_disconnect(request: Request) -> None:

@@ -18,7 +18,7 @@ import uvicorn
 from edgeserve.server import DEFAULT_SHUTDOWN_TIMEOUT
 
 if TYPE_CHECKING:
-    from edgeserve.server.app import _Server
+    from edgeserve.server.app import Server
 
 # How long aborted requests get to send their last bytes before the process stops waiting for them.
 FLUSH_TIMEOUT = 5.0
@@ -29,7 +29,7 @@ logger = logging.getLogger("edgeserve.server")
 class DrainingServer(uvicorn.Server):
     """uvicorn serving the app, draining on the first signal; a second aborts at once, a third exits now."""
 
-    def __init__(self, config: uvicorn.Config, server: _Server, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT):
+    def __init__(self, config: uvicorn.Config, server: Server, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT):
         super().__init__(config)
         self.api = server
         self.shutdown_timeout = shutdown_timeout

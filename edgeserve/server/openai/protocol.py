@@ -1,4 +1,4 @@
-"""The OpenAI wire format: request bodies (validated by pydantic) and the response and chunk shapes."""
+"""OpenAI's request bodies (chat and text completions), validated by pydantic, and what they ask the engine for."""
 
 from __future__ import annotations
 
@@ -6,11 +6,10 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from edgeserve.sampling_params import SamplingParams
-from edgeserve.text.tokenizer import Tokenizer
+from edgeserve.server.errors import APIError
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -351,72 +350,3 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         return list(p)
-
-
-# responses ---------------------------------------------------------------------
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-class APIError(Exception):
-    """An error answered with an OpenAI-style body."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def envelope(response_id: str, object_: str, created: int, model: str, choices: list[dict],
-             **extra: Any) -> dict:
-    return {"id": response_id, "object": object_, "created": created, "model": model, "choices": choices, **extra}
-
-
-def sse(payload: dict | str) -> str:
-    """One server-sent event."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
-
-
-def chat_logprobs(entries: list[dict], tokenizer: Tokenizer) -> dict:
-    """The engine's per-token logprobs in the chat shape: {"content": [{token, logprob, bytes, top_logprobs}]}."""
-
-    def item(token_id: int, logprob: float) -> dict:
-        text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
-                        for e in entries]}
-
-
-def completion_logprobs(entries: list[dict], tokenizer: Tokenizer, offset: int) -> dict:
-    """The legacy completions shape: parallel lists of tokens, logprobs, top alternatives, text offsets.
-
-    `offset` is where the first token starts in the completion text.
-    """
-    tokens, offsets = [], []
-    for e in entries:
-        text = tokenizer.decode([e["token"]])
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e["top"]} for e in entries],
-        "text_offset": offsets,
-    }

@@ -1,0 +1,132 @@
+"""The server's ASGI middleware: which Host names and body sizes reach the app at all (HostGuard), and the
+API key, the 503 while shutting down and the count of answers by status (Gate).
+
+Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would wrap streaming responses and change
+how client disconnects reach them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from typing import TYPE_CHECKING
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from edgeserve.server.errors import APIError
+
+if TYPE_CHECKING:
+    from edgeserve.server.app import Server
+
+# Loopback names a DNS-rebinding page cannot take over; IP literals are checked apart.
+LOOPBACK_HOSTS = frozenset({"localhost"})
+
+
+def host_name(host: str) -> str:
+    """The name in a Host header, without its port or an IPv6 address's brackets, lower-cased."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+def host_allowed(host: str, allowed: frozenset[str]) -> bool:
+    """Whether a request's Host header names this server: loopback, an IP address, or an allowed name.
+
+    DNS rebinding needs a name the attacker controls, so IP literals are safe; names must be known.
+    """
+    name = host_name(host)
+    if "*" in allowed or not name or name in LOOPBACK_HOSTS or name.endswith(".localhost") or name in allowed:
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class HostGuard:
+    """For every request: refuses unknown Host names (DNS rebinding), and bodies over the limit.
+
+    The body is read here, counted, and replayed to the app, so a chunked body cannot dodge the limit.
+    """
+
+    def __init__(self, app: ASGIApp, allowed_hosts: frozenset[str], max_body_size: int):
+        self.app = app
+        self.allowed_hosts = allowed_hosts
+        self.max_body_size = max_body_size
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        host = Headers(scope=scope).get("host", "")
+        if not host_allowed(host, self.allowed_hosts):
+            error = APIError(403, f"the Host {host_name(host)!r} is not allowed; start the server with "
+                                  "--allowed-host NAME to accept it", code="host_not_allowed")
+            await error.response()(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        first: Message | None = None
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                first = message
+                break
+            size += len(message.get("body", b""))
+            if size <= self.max_body_size:
+                chunks.append(message.get("body", b""))
+            # Over the limit the rest is drained, not kept: answering before the client has sent it
+            # all would reset the connection under its feet. Past 16 times the limit it is cut off.
+            if not message.get("more_body", False) or size > 16 * self.max_body_size:
+                break
+        if size > self.max_body_size:
+            error = APIError(413, f"the request body is {size} bytes or more; the limit is {self.max_body_size} "
+                                  "(--max-body-size)", code="request_too_large")
+            await error.response()(scope, receive, send)
+            return
+        pending = [first or {"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Message:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+
+class Gate:
+    """For the API (/v1): the API-key check, 503 while shutting down, and a count of answers by status code."""
+
+    def __init__(self, app: ASGIApp, server: Server, api_key: str | None):
+        self.app = app
+        self.server = server
+        self.api_key = api_key
+
+    def authorized(self, headers: Headers) -> bool:
+        if self.api_key is None:
+            return True
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.server.metrics.http_requests[str(message["status"])] += 1
+            await send(message)
+
+        if not self.authorized(Headers(scope=scope)):
+            error = APIError(401, "missing or incorrect API key; send it as 'Authorization: Bearer KEY'",
+                             code="invalid_api_key")
+            await error.response()(scope, receive, counting_send)
+            return
+        try:
+            self.server.check_open()
+        except APIError as closed:
+            await closed.response()(scope, receive, counting_send)
+            return
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,190 @@
+"""Engine deltas in OpenAI's shapes: the chunks of a streamed chat or text completion, or its one body.
+
+Everything a client of these endpoints reads is built here: the envelope, the deltas (with tool calls
+whole once their text is complete), logprobs, usage, finish reasons, and the server-sent events.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from edgeserve.engine.output import RequestOutput
+from edgeserve.server.errors import error_body
+from edgeserve.server.generation import Choice, Generation
+from edgeserve.text.tokenizer import Tokenizer
+from edgeserve.text.tool_calls import ToolCallFormat, ToolCallStream, split_reply
+
+logger = logging.getLogger("edgeserve.server")
+
+
+def usage(gen: Generation) -> dict:
+    return {
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": gen.completion_tokens,
+        "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+    }
+
+
+def envelope(gen: Generation, object_: str, model: str, choices: list[dict], **extra: Any) -> dict:
+    return {"id": gen.response_id, "object": object_, "created": gen.created, "model": model, "choices": choices,
+            **extra}
+
+
+def sse(payload: dict | str) -> str:
+    """One server-sent event."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent events: the given ones, an error event if generation fails midway, then [DONE]."""
+
+    async def stream() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:  # the status line has gone out already: tell the client in the stream
+            logger.error("stream failed: %s", exc)
+            yield sse(error_body(f"generation failed: {exc}", "server_error"))
+        yield sse("[DONE]")
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def chat_logprobs(entries: list[dict], tokenizer: Tokenizer) -> dict:
+    """The engine's per-token logprobs in the chat shape: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
+    def item(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries: list[dict], tokenizer: Tokenizer, offset: int) -> dict:
+    """The legacy completions shape: parallel lists of tokens, logprobs, top alternatives, text offsets.
+
+    `offset` is where the first token starts in the completion text.
+    """
+    tokens, offsets = [], []
+    for e in entries:
+        text = tokenizer.decode([e["token"]])
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e["top"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+class ChatResponse:
+    """A chat completion (`chat.completion`, or `chat.completion.chunk`s when streamed).
+
+    tool_format: how the answer writes tool calls, where the request offered tools; their text becomes
+    `tool_calls` entries, and an answer that made some ends with finish_reason "tool_calls".
+    """
+
+    def __init__(self, gen: Generation, model: str, tokenizer: Tokenizer, tool_format: ToolCallFormat | None):
+        self.gen, self.model, self.tokenizer, self.tool_format = gen, model, tokenizer, tool_format
+        self._streams = {c.index: ToolCallStream(tool_format) for c in gen.choices} if tool_format else {}
+        self._calls = dict.fromkeys((c.index for c in gen.choices), 0)  # tool calls each answer holds so far
+
+    def finish_reason(self, c: Choice) -> str | None:
+        return "tool_calls" if self._calls[c.index] and c.finish_reason == "stop" else c.finish_reason
+
+    def _logprobs(self, c: Choice, entries: list[dict]) -> dict | None:
+        return chat_logprobs(entries, self.tokenizer) if c.params.logprobs is not None else None
+
+    def message(self, c: Choice) -> dict:
+        """The whole answer as a chat message: content, and tool calls where it made some."""
+        text = "".join(c.text)
+        if self.tool_format is None:
+            return {"role": "assistant", "content": text}
+        content, calls = split_reply(text, self.tool_format)
+        self._calls[c.index] = len(calls)
+        message: dict = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.openai() for call in calls]
+        return message
+
+    def body(self) -> dict:
+        choices = []
+        for c in self.gen.choices:
+            message = self.message(c)  # first: it counts the tool calls the finish reason depends on
+            choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c, c.logprobs),
+                            "finish_reason": self.finish_reason(c)})
+        return envelope(self.gen, "chat.completion", self.model, choices, usage=usage(self.gen))
+
+    def delta(self, c: Choice, out: RequestOutput) -> dict:
+        """The streamed delta for out: its content, and each tool call whole once its text is complete."""
+        stream = self._streams.get(c.index)
+        if stream is None:
+            return {"content": out.text} if out.text else {}
+        content, calls = stream.feed(out.text, out.finished)
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            first = self._calls[c.index]
+            delta["tool_calls"] = [call.openai(index=first + i) for i, call in enumerate(calls)]
+            self._calls[c.index] += len(calls)
+        return delta
+
+    async def events(self, include_usage: bool) -> AsyncIterator[str]:
+        """The chunks as server-sent events: a role chunk per choice, the deltas, and the usage if asked for."""
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return sse(envelope(self.gen, "chat.completion.chunk", self.model, [choice], **extra))
+
+        for c in self.gen.choices:
+            yield chunk(c.index, {"role": "assistant", "content": ""})
+        async for c, out in self.gen.outputs():
+            want_logprobs = c.params.logprobs is not None and out.logprobs
+            delta = self.delta(c, out)
+            if delta or want_logprobs or out.finished:
+                yield chunk(c.index, delta, self._logprobs(c, out.logprobs) if want_logprobs else None,
+                            self.finish_reason(c) if out.finished else None)
+        if include_usage:
+            yield sse(envelope(self.gen, "chat.completion.chunk", self.model, [], usage=usage(self.gen)))
+
+
+class CompletionResponse:
+    """A text completion (`text_completion`, as one body or as streamed chunks)."""
+
+    def __init__(self, gen: Generation, model: str, tokenizer: Tokenizer):
+        self.gen, self.model, self.tokenizer = gen, model, tokenizer
+
+    def body(self) -> dict:
+        choices = [{
+            "index": c.index,
+            "text": "".join(c.text),
+            "logprobs": completion_logprobs(c.logprobs, self.tokenizer, 0) if c.params.logprobs is not None else None,
+            "finish_reason": c.finish_reason,
+        } for c in self.gen.choices]
+        return envelope(self.gen, "text_completion", self.model, choices, usage=usage(self.gen))
+
+    async def events(self, include_usage: bool) -> AsyncIterator[str]:
+        """The chunks as server-sent events, and the usage if asked for."""
+        extra = {"usage": None} if include_usage else {}
+        offsets = dict.fromkeys((c.index for c in self.gen.choices), 0)  # where each text's next token starts
+        async for c, out in self.gen.outputs():
+            logprobs = None
+            if c.params.logprobs is not None and out.logprobs:
+                logprobs = completion_logprobs(out.logprobs, self.tokenizer, offsets[c.index])
+                offsets[c.index] += sum(len(t) for t in logprobs["tokens"])
+            if out.text or logprobs or out.finished:
+                choice = {"index": c.index, "text": out.text, "logprobs": logprobs,
+                          "finish_reason": out.finish_reason if out.finished else None}
+                yield sse(envelope(self.gen, "text_completion", self.model, [choice], **extra))
+        if include_usage:
+            yield sse(envelope(self.gen, "text_completion", self.model, [], usage=usage(self.gen)))
