@@ -118,6 +118,6 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 # a few seconds in the quick loop; CI explores more: against the scheduler that kept an evicted sequence in
 # its step, runs found it after 120 to 480 examples (test_scheduler.py pins that case in the quick loop)
-SchedulerMachine.TestCase.settings = settings(max_examples=600 if "CI" in os.environ else 60,
+SchedulerMachine.TestCase.settings = settings(max_examples=600 if "CI" in os.environ else 30,
                                               stateful_step_count=40, deadline=None)
 test_scheduler_states = SchedulerMachine.TestCase
