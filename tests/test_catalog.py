@@ -1,9 +1,11 @@
 """Pulling catalog models into the cache: sources in order, checksum, clear failures."""
 
+import os
 import subprocess
 import sys
 
 import pytest
+from conftest import USER_HOME
 
 from edgeserve.errors import ModelNotFoundError
 from edgeserve.models import catalog
@@ -15,6 +17,7 @@ def test_pull_uses_the_cache_and_checks_the_sha256(model_path, monkeypatch, tmp_
     assert catalog.pull(catalog.DEFAULT_MODEL) == model_path  # cached: no download
 
 
+@pytest.mark.slow  # downloads the real model
 def test_a_bad_checksum_is_refused_and_nothing_lands(monkeypatch, tmp_path):
     monkeypatch.setenv("EDGESERVE_HOME", str(tmp_path))
     entry = catalog.CATALOG[catalog.DEFAULT_MODEL]
@@ -35,3 +38,24 @@ def test_unknown_name_and_models_listing(model_path, monkeypatch):
                           env=env, timeout=120)
     assert done.returncode == 0
     assert "smollm2-135m-instruct" in done.stdout and "[pulled]" in done.stdout and str(model_path) in done.stdout
+
+
+def test_pull_reads_the_shared_cache_and_writes_nothing(monkeypatch, tmp_path):
+    entry = catalog.CATALOG[catalog.DEFAULT_MODEL]
+    shared, own = tmp_path / "shared", tmp_path / "home"
+    monkeypatch.setenv("EDGESERVE_MODELS_CACHE", str(shared))
+    monkeypatch.setenv("EDGESERVE_HOME", str(own))
+    in_shared = shared / "models" / entry.name / entry.filename
+    in_shared.parent.mkdir(parents=True)
+    in_shared.write_bytes(b"shared copy")
+    assert catalog.pull(entry.name) == in_shared
+    assert not own.exists()
+    in_own = catalog.local_path(entry)
+    in_own.parent.mkdir(parents=True)
+    in_own.write_bytes(b"own copy")
+    assert catalog.pull(entry.name) == in_own  # the user's own cache comes first
+
+
+def test_the_session_runs_in_a_temporary_home():
+    assert catalog.home() != USER_HOME and catalog.home().is_dir()
+    assert os.environ["EDGESERVE_MODELS_CACHE"]

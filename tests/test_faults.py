@@ -54,6 +54,7 @@ def answers(url: str) -> str:
     return reply.choices[0].message.content
 
 
+@pytest.mark.slow  # two server processes and a load: about eight seconds of CPU
 def test_kill_9_under_load_then_restart(tiny_folder):
     first = ServeProcess(tiny_folder, *POOL)
     try:

@@ -31,6 +31,8 @@ from edgeserve.text.chat_template import ChatTemplate, ChatTemplateError
 from loopback import ServerThread
 from mlx_parity import LOGITS_TOLERANCE, assert_same_up_to_near_tie
 
+pytestmark = pytest.mark.slow  # Gemma 3 270M, the real model
+
 NAME = "gemma3-270m"
 FIXTURES = Path(__file__).parent / "fixtures"
 REFERENCE = json.loads((FIXTURES / "gemma3_transformers_reference.json").read_text())

@@ -26,10 +26,13 @@ from edgeserve.metal.kernels import launch, make_kernels, partition_size, prepar
 from edgeserve.metal.reference import prepare_reference, reference_paged_attention  # noqa: E402
 
 # CI always runs the emulation: there a missing compiler fails the tests rather than skipping them.
-pytestmark = pytest.mark.skipif(
-    not os.environ.get("CI") and (compiler() is None or not sys.platform.startswith("linux")),
-    reason="the emulation needs a C++20 compiler and an ELF linker (Linux)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not os.environ.get("CI") and (compiler() is None or not sys.platform.startswith("linux")),
+        reason="the emulation needs a C++20 compiler and an ELF linker (Linux)",
+    ),
+    pytest.mark.slow,  # compiles each kernel variant: a minute of CPU
+]
 
 
 def test_generated_sources_are_what_the_templates_give():

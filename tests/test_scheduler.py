@@ -12,11 +12,15 @@ def advance(scheduler: Scheduler) -> list[ScheduledSeq]:
     """Schedule a step and do what running it does: new tokens computed, a token sampled where due."""
     scheduled = scheduler.schedule()
     for item in scheduled:
-        samples = item.samples
-        item.seq.num_computed_tokens += item.num_new_tokens
-        scheduler.bm.register_full_blocks(item.seq)
+        if item.padding:
+            continue
+        seq, samples = item.seq, item.samples
+        seq.num_computed_tokens += item.num_new_tokens
+        scheduler.bm.register_full_blocks(seq)
         if samples:
-            item.seq.token_ids.append(7)
+            seq.token_ids.append(7)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                scheduler.finish(seq)
     return scheduled
 
 
@@ -59,3 +63,55 @@ def test_finish_frees_blocks_at_once():
     scheduler.finish(seq)
     assert seq.status is SequenceStatus.FINISHED and not scheduler.has_unfinished()
     assert bm.usage().used == 0 and bm.usage().cached == 2  # its two full blocks stay in the prefix cache
+
+
+def test_a_victim_scheduled_earlier_in_the_step_leaves_it():
+    """Static batch on a cached prefix: the later arrival, nearly all cached, is scheduled first as a decode;
+    the earlier one's prefill chunk then runs out of blocks and evicts it, so it must leave the step."""
+    bm = BlockManager(num_blocks=6, block_size=4)
+    scheduler = Scheduler(bm, max_num_batched_tokens=8, static_batching=True)
+    shared = [1, 2, 3, 4, 5, 6, 7, 8]
+    warm = Sequence("warm", [*shared, 9], SamplingParams(max_tokens=1), arrival_time=0.0)
+    scheduler.add(warm)
+    advance(scheduler)
+    advance(scheduler)  # computed in two chunks, sampled, finished: its two full blocks stay cached
+    assert not scheduler.has_unfinished() and bm.usage().cached == 2
+    early = Sequence("early", list(range(20, 40)), PARAMS, arrival_time=1.0)
+    late = Sequence("late", [*shared, 10], PARAMS, arrival_time=2.0)
+    scheduler.add(early)
+    scheduler.add(late)
+    assert [(i.seq, i.num_new_tokens) for i in advance(scheduler)] == [(early, 8)]  # late admitted on its hits
+    assert late.num_computed_tokens == 8 and not late.is_prefilling
+    step = scheduler.schedule()
+    assert scheduler.num_preemptions == 1 and late.status is SequenceStatus.WAITING and not late.block_table
+    assert [(i.seq, i.num_new_tokens) for i in step] == [(early, 7)]  # late's token went back to the budget
+    assert len(early.block_table) * 4 >= early.num_computed_tokens + 7
+
+
+def test_a_static_batch_ends_when_its_last_live_sequence_runs_out_of_blocks():
+    """A finished sequence held in a static batch is evicted before a live one, never requeued."""
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(bm, static_batching=True)
+    done = Sequence("done", [1] * 8, SamplingParams(max_tokens=1), arrival_time=0.0)
+    live = Sequence("live", [2] * 8, SamplingParams(max_tokens=3), arrival_time=1.0)
+    scheduler.add(done)
+    scheduler.add(live)
+    advance(scheduler)  # both prompts fill the pool; done finishes and stays as padding
+    assert done.is_finished and scheduler.running == [done, live] and bm.num_free == 0
+    step = advance(scheduler)  # live needs a third block: the padding row gives it back
+    assert [(i.seq, i.padding) for i in step] == [(live, False)]
+    assert scheduler.running == [live] and not scheduler.waiting and done.is_finished
+    for _ in range(3):
+        advance(scheduler)
+    assert not scheduler.has_unfinished() and bm.num_free == 4
+
+
+def test_padding_rows_never_take_the_budget_of_live_sequences():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    scheduler = Scheduler(bm, max_num_batched_tokens=1, static_batching=True)
+    first, second = Sequence("a", [0], SamplingParams(max_tokens=1)), Sequence("b", [0], SamplingParams(max_tokens=1))
+    scheduler.add(first)
+    scheduler.add(second)
+    for _ in range(3):
+        advance(scheduler)
+    assert first.is_finished and second.is_finished and not scheduler.has_unfinished()

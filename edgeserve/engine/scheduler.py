@@ -2,11 +2,13 @@
 
 Running decodes go first, then prefill chunks under a per-step token budget, so a long prompt never
 stalls running streams. New requests are admitted only when blocks are free; when the pool runs
-out, the most recently arrived running sequence is preempted (its blocks freed, recomputed later).
+out, the most recently arrived running sequence is preempted (its blocks freed, recomputed later); if it
+was already scheduled in this step, it leaves the step and its tokens go back to the budget.
 
 Static batching, kept to measure against, runs fixed batches as a naive padded-batch server does:
 a batch is admitted whole, and a sequence that finishes early keeps its place and its compute (a
-padding row that recomputes its last token) until the batch's longest sequence ends.
+padding row that recomputes its last token) until the batch's longest sequence ends. Padding rows take
+only the budget left over, and are the first to go when the pool runs out.
 """
 
 from __future__ import annotations
@@ -51,9 +53,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _victim(self) -> Sequence:
+        """Whom to evict when the pool runs out: a finished sequence held in a static batch (only its padding
+        is lost), else the latest arrival."""
+        held = [s for s in self.running if s.is_finished]
+        return held[0] if held else max(self.running, key=lambda s: s.arrival_time)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free_seq(seq)
+        if seq.is_finished:  # a static batch's padding row leaves it; requeued it would run again
+            return
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -62,8 +72,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         preempted = False
-        # decodes before prefill chunks; among each, first come first served
-        for seq in sorted(self.running, key=lambda s: s.is_prefilling):
+        # decodes before prefill chunks, first come first served among each; a static batch's padding rows
+        # last, so they never take the budget its unfinished sequences need
+        for seq in sorted(self.running, key=lambda s: (s.is_finished, s.is_prefilling)):
             if seq not in self.running or budget == 0:
                 continue
             if seq.is_finished:  # held in its static batch
@@ -73,9 +84,15 @@ class Scheduler:
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.allocate_slots(seq, n):
-                victim = max(self.running, key=lambda s: s.arrival_time)
+                victim = self._victim()
                 self._preempt(victim)
                 preempted = True
+                # scheduled earlier in this step (a decode that arrived after this prefill): its blocks are
+                # gone, so it leaves the step and gives its tokens back
+                for i, item in enumerate(out):
+                    if item.seq is victim:
+                        budget += out.pop(i).num_new_tokens
+                        break
                 if victim is seq:
                     break
             else:
