@@ -3,10 +3,7 @@ and against a running server, and the real screen in tmux."""
 
 import asyncio
 import json
-import os
 import re
-import shlex
-import shutil
 import socket
 import subprocess
 import sys
@@ -27,6 +24,7 @@ from edgeserve.config import EngineConfig
 from edgeserve.cli.tui_app import EdgeserveApp, HelpScreen, SessionPane
 from edgeserve.cli.tui_panels import KVMap, StatusPanel
 from edgeserve.server.app import create_app
+from tmux_screen import EXIT_MARK, TmuxScreen
 
 TIMEOUT = 180.0  # seconds for answers on a slow, shared CPU
 GREEDY = {"temperature": 0.0}
@@ -236,49 +234,8 @@ def test_a_server_that_is_not_there_is_one_line_of_error():
 
 # the real screen --------------------------------------------------------------------
 
-EXIT_MARK = "tui exited with "
-
-
-class TmuxScreen:
-    """`edgeserve tui` in a private tmux server at a given size; the pane stays after it exits, to read."""
-
-    def __init__(self, args: list[str], width: int, height: int, home, **env: str):
-        if shutil.which("tmux") is None:
-            if os.environ.get("CI"):
-                pytest.fail("tmux is missing (apt-get install tmux)")
-            pytest.skip("tmux is not installed")
-        self.server = f"edgeserve-test-{os.getpid()}-{width}x{height}"  # whatever tmux the user runs
-        command = shlex.join([sys.executable, "-c", "from edgeserve.cli.main import cli; cli()", "tui", *args])
-        env = {**os.environ, "EDGESERVE_HOME": str(home), "TERM": "xterm-256color", **env}
-        subprocess.run(["tmux", "-L", self.server, "-f", os.devnull, "new-session", "-d", "-s", "tui",
-                        "-x", str(width), "-y", str(height), f"{command}; echo {EXIT_MARK}$?; sleep 600"],
-                       check=True, env=env)
-
-    def tmux(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.server, *args], check=True, capture_output=True, text=True).stdout
-
-    def screen(self, escapes: bool = False) -> str:
-        return self.tmux("capture-pane", "-p", *(["-e"] if escapes else []), "-t", "tui")
-
-    def keys(self, *keys: str) -> None:
-        self.tmux("send-keys", "-t", "tui", *keys)
-
-    def wait_for(self, *texts: str) -> str:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            screen = self.screen()
-            if all(t in screen for t in texts):
-                return screen
-            if time.monotonic() > deadline:
-                pytest.fail(f"the screen never showed {texts}:\n{screen}")
-            time.sleep(0.3)
-
-    def close(self) -> None:
-        subprocess.run(["tmux", "-L", self.server, "kill-server"], capture_output=True)
-
-
 def tui_args(model_path, *more: str) -> list[str]:
-    return ["--model", str(model_path), "--backend", "numpy", "--kv-memory", "32MiB", "--temp", "0", *more]
+    return ["tui", "--model", str(model_path), "--backend", "numpy", "--kv-memory", "32MiB", "--temp", "0", *more]
 
 
 def test_the_real_screen_at_160x48_shows_sessions_and_the_kv_map(model_path, tmp_path):
