@@ -363,6 +363,7 @@ async def test_stats_and_the_processing_status_before_the_first_token(aengine):
         app.watch(pane, "state", lambda state: states.append(state), init=False)
         await send(pilot, pane, "Tell me about the sea. " * 20)  # a prompt that takes a moment
         await wait_until(pilot, lambda: not pane.answering and pane.last_stats is not None, "the answer ends")
+        await wait_until(pilot, lambda: states[-1] == pane.last_stats.brief(), "the border shows the figures")
 
         waiting = [s for s in states if s.startswith("processing prompt (")]
         assert waiting == [f"processing prompt ({pane.last_stats.prompt_tokens} tokens)…"]
