@@ -73,7 +73,7 @@ class ChatRepl:
     def __init__(self, client: ChatClient, conversation: Conversation, markdown: bool = True):
         self.client = client
         self.conversation = conversation
-        self.out = Console(highlight=False, soft_wrap=True)
+        self.out = Console(highlight=False)
         self.console = stderr_console()
         self.markdown = markdown and self.out.is_terminal
         self.view: MarkdownStream | None = None  # the answer streaming as Markdown

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from rich.markdown import Markdown
 from rich.table import Table
 from rich.text import Text
 from textual import events
@@ -18,9 +17,10 @@ from textual.widgets import Footer, Header, Input, Static
 from textual.worker import Worker
 
 from edgeserve.cli.chat_clients import ChatClient, ReplyChunk, ReplyStats, stats_report
+from edgeserve.cli.chat_markdown import chat_markdown
 from edgeserve.cli.chat_turn import Turn
 from edgeserve.cli.feedback import prompt_note
-from edgeserve.cli.tui_panels import PANEL_WIDTH, StatusPanel
+from edgeserve.cli.tui_panels import StatusPanel, panel_width
 from edgeserve.cli.conversation import COMMANDS, Conversation
 from edgeserve.errors import EdgeserveError
 
@@ -75,8 +75,17 @@ class MessageInput(Input):
 
     def check_consume_key(self, key: str, character: str | None) -> bool:
         if character == "?" and not self.value:
-            return False  # left to the app's `?` binding
+            return False  # the footer shows the app's `?` binding
         return super().check_consume_key(key, character)
+
+    async def _on_key(self, event: events.Key) -> None:
+        # decided here, in the order the keys were typed: an app binding sees a key before the input has
+        # taken the keys typed just before it, and would find the line still empty. Otherwise Input's own
+        # handler, which Textual calls after this one, types the key.
+        if event.character == "?" and not self.value:
+            event.stop()
+            event.prevent_default()
+            self.app.action_help()
 
 
 class SessionPane(Vertical):
@@ -141,7 +150,7 @@ class SessionPane(Vertical):
 
     def add_line(self, text: str, kind: str) -> Static:
         """Append to the transcript; kind is a message role, "note" or "error". Answers are Markdown."""
-        line = Static(Markdown(text) if kind == "assistant" else Text(text), classes=kind)
+        line = Static(chat_markdown(text) if kind == "assistant" else Text(text), classes=kind)
         if kind == "assistant":
             line.styles.color = self.colour
         transcript = self.query_one(".transcript", VerticalScroll)
@@ -218,7 +227,7 @@ class SessionPane(Vertical):
         def show(chunk: ReplyChunk) -> None:
             self.streamed_tokens = chunk.output_tokens
             if chunk.text:
-                reply.update(Markdown(turn.text))
+                reply.update(chat_markdown(turn.text))
                 self.query_one(".transcript", VerticalScroll).scroll_end(animate=False)
                 self.update_title()
 
@@ -261,8 +270,8 @@ class EdgeserveApp(App):
         Binding("ctrl+w", "close_session", "Close", priority=True),
         Binding("escape", "stop_answer", "Stop"),
         Binding("f2", "toggle_panel", "Engine"),
-        # priority, to come before the input line, which gives `?` up only while empty (MessageInput)
-        Binding("question_mark", "help", "Help", key_display="?", priority=True),
+        # the input line opens the help itself on `?` while empty (MessageInput); this shows it in the footer
+        Binding("question_mark", "help", "Help", key_display="?"),
         Binding("f1", "help", "Help", show=False),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
@@ -333,8 +342,10 @@ class EdgeserveApp(App):
 
     def layout_sessions(self) -> None:
         """Show or hide the engine panel, and put as many sessions side by side as stay readable."""
+        width = panel_width(self.size.width)
         self.status_panel.display = self.panel_shown
-        room = self.size.width - (PANEL_WIDTH if self.panel_shown else 0)
+        self.status_panel.styles.width = width
+        room = self.size.width - (width if self.panel_shown else 0)
         fit = max(1, room // MIN_SESSION_WIDTH)
         self.query_one("#sessions").styles.grid_size_columns = max(1, min(len(self.sessions), MAX_COLUMNS, fit))
 
@@ -348,6 +359,7 @@ class EdgeserveApp(App):
         return pane
 
     def close_session(self, pane: SessionPane) -> None:
+        """Close a session (stopping its answer); closing the last one opens a fresh one, not an empty screen."""
         pane.stop()
         sessions = self.sessions
         following = sessions[(sessions.index(pane) + 1) % len(sessions)] if len(sessions) > 1 else None
@@ -355,6 +367,8 @@ class EdgeserveApp(App):
         self.call_after_refresh(self.layout_sessions)
         if following is not None:
             following.query_one(Input).focus()
+        else:
+            self.call_after_refresh(self.action_new_session)
 
     def action_close_session(self) -> None:
         pane = self.current_session()

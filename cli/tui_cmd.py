@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import click
 from click.core import ParameterSource
@@ -11,6 +12,19 @@ from edgeserve.cli.chat_clients import ChatClient, EngineClient, RemoteClient
 from edgeserve.cli.options import build_engine, model_options, sampling_options
 from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
+
+
+def _check_terminal() -> None:
+    """Refuse to start when the screen could not be drawn: Textual draws on stderr, so stderr must be a terminal.
+
+    The error goes to stdout as well, since stderr is where it would be lost.
+    """
+    if sys.stderr.isatty():
+        return
+    message = ("the TUI draws on stderr, which is not a terminal here (was it redirected, as in 2>file?); "
+               "run it with stderr on the terminal, or use `edgeserve chat`")
+    click.echo(f"error: {message}")
+    raise EdgeserveError(message)
 
 
 async def _check(client: ChatClient) -> None:
@@ -39,7 +53,9 @@ def tui(ctx: click.Context, model: str, config: EngineConfig, url: str | None,
         chosen = None if ctx.get_parameter_source("model") == ParameterSource.DEFAULT else model
         client: ChatClient = RemoteClient(url, api_key, chosen)
         asyncio.run(_check(client))  # an unreachable server is one line of error, before the screen opens
+        _check_terminal()
     else:
+        _check_terminal()  # before the model loads
         engine = build_engine(model, config)
         from edgeserve.engine.async_engine import AsyncEngine  # imports the engine: after build_engine's note
 

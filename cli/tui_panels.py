@@ -19,6 +19,12 @@ GLYPHS = {"used": "█", "shared": "▓", "cached": "░", "free": "·"}
 _RANK = {"free": 0, "cached": 1, "used": 2, "shared": 3}  # which block a cell shows when it stands for several
 OTHER_OWNER = "white"  # a request of no session here (another client of the server)
 PANEL_WIDTH = 44
+PANEL_MIN_WIDTH = 28  # the narrowest the panel gets, on a narrow screen
+
+
+def panel_width(screen_width: int) -> int:
+    """The engine panel's width: its full width on a wide screen, a third of a narrow one (the sessions come first)."""
+    return min(PANEL_WIDTH, max(PANEL_MIN_WIDTH, screen_width // 3))
 
 ColourOf = Callable[[str], "str | None"]
 
@@ -31,10 +37,12 @@ class KVMap(Widget):
     def __init__(self, colour_of: ColourOf, **kwargs: object):
         super().__init__(**kwargs)
         self.colour_of = colour_of
-        self.blocks: list[KVBlock] | None = []
+        self.blocks: list[KVBlock] | None = []  # None: the client has no map to give
+        self.arrived = False  # whether the first snapshot of the pool has come
 
     def show(self, blocks: list[KVBlock] | None) -> None:
         self.blocks = blocks
+        self.arrived = True
         self.refresh()
 
     def owners(self) -> set[str]:
@@ -53,6 +61,8 @@ class KVMap(Widget):
         return GLYPHS[block.state], "grey50" if block.state == "cached" else "grey30"
 
     def render(self) -> Text:
+        if not self.arrived:
+            return Text("waiting for the first snapshot of the pool…", style="dim")
         if self.blocks is None:
             return Text("no KV map: the server does not publish one", style="dim")
         width, per_cell = max(1, self.size.width), self.blocks_per_cell()
@@ -93,9 +103,16 @@ class StatusPanel(Vertical):
 
     def on_mount(self) -> None:
         self.border_title = "engine"
-        self.show(self.status)
+        self.show_figures(self.status)  # the map waits for the first snapshot
+        self.kv_legend.update(self.legend())
 
     def show(self, status: ServingStatus) -> None:
+        """Show a snapshot of the engine: its figures and the KV map."""
+        self.show_figures(status)
+        self.kv_map.show(status.kv_blocks)
+        self.kv_legend.update(self.legend())
+
+    def show_figures(self, status: ServingStatus) -> None:
         self.status = status
 
         def figure(value: object, fmt: str = "{}") -> str:
@@ -117,8 +134,6 @@ class StatusPanel(Vertical):
             title += (f": {len(status.kv_blocks)} blocks × {status.block_size} tokens\n"
                       + "  ".join(f"{n} {s}" for s, n in counts.items()))
         self.kv_title.update(Text(title))
-        self.kv_map.show(status.kv_blocks)
-        self.kv_legend.update(self.legend())
 
     def legend(self) -> Text:
         """What the glyphs mean, and how many blocks (of how many tokens) one cell stands for."""

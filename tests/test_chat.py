@@ -15,6 +15,7 @@ from edgeserve.cli.conversation import CommandError, Conversation, ConversationF
 from edgeserve.cli.markdown_stream import MarkdownStream
 from edgeserve.errors import PromptTooLongError
 from edgeserve.sampling_params import InvalidParamsError
+from tmux_screen import EXIT_MARK, TmuxScreen
 
 # conversation logic -------------------------------------------------------------
 
@@ -294,17 +295,97 @@ def test_errors_are_red_unless_no_color(model_path, tmp_path, no_color):
     assert bool(re.search(r"\x1b\[[0-9;]*31m", line)) != no_color
 
 
+def stream(answer: str, width: int = 60, height: int = 12, step: int = 7) -> str:
+    """What a MarkdownStream writes for answer, fed in pieces as a stream brings them, on chat's console."""
+    screen = io.StringIO()
+    view = MarkdownStream(Console(file=screen, force_terminal=True, width=width, height=height, color_system=None,
+                                  highlight=False))
+    for i in range(0, len(answer), step):
+        view.add(answer[i:i + step])
+    view.end()
+    return ANSI.sub("", screen.getvalue())
+
+
 def test_answers_stream_as_markdown_and_end_rendered_whole():
     answer = "Steps:\n\n1. **Boil** the water\n2. Add `tea`\n\n```python\nprint('brewed')\n```\n" + "\n".join(
         f"- line {i}" for i in range(30))
-    screen = io.StringIO()
-    view = MarkdownStream(Console(file=screen, force_terminal=True, width=60, height=12, color_system=None))
-    for i in range(0, len(answer), 7):  # pieces as a stream brings them
-        view.add(answer[i:i + 7])
-    view.end()
 
-    final = ANSI.sub("", screen.getvalue()).split("Steps:")[-1]  # the last, whole rendering
-    assert "**" not in final and "```" not in final and "`tea`" not in final
-    assert "Boil" in final and "print('brewed')" in final
+    written = stream(answer)
+
+    final = written.split("print('brewed')")[-1]  # the list, the last block: whole once the answer ends
+    assert "**" not in written and "```" not in written and "`tea`" not in written
+    assert written.count("Steps:") == 1 and written.count("Boil") == 1  # finished blocks are printed once
     assert [f"line {i}" in final for i in range(30)] == [True] * 30
     assert re.search(r"•\s+line 29", final)
+
+
+@pytest.mark.parametrize("soft_wrap", [False, True])
+def test_long_paragraphs_wrap_at_the_width_of_the_screen(soft_wrap):
+    paragraph = " ".join(f"word{i}" for i in range(120))
+    answer = f"{paragraph}\n\n{paragraph}\n\n```\ncode = {paragraph!r}\n```\n\n{paragraph}"
+    screen = io.StringIO()
+    view = MarkdownStream(Console(file=screen, force_terminal=True, width=50, height=10, color_system=None,
+                                  soft_wrap=soft_wrap))
+    for i in range(0, len(answer), 9):
+        view.add(answer[i:i + 9])
+    view.end()
+
+    lines = re.split(r"[\r\n]", ANSI.sub("", screen.getvalue()))
+    assert max(map(len, lines)) <= 50
+    shown = " ".join(lines).split()
+    assert all(shown.count(f"word{i}") >= 3 for i in range(120))
+
+
+def test_single_newlines_stay_line_breaks():
+    poem = "Roses are red,\nviolets are blue,\nsugar is sweet.\n\n```\nkeep  = 1\nthis = 2\n```\nAnd so\nare you."
+
+    lines = [line.strip() for line in stream(poem, step=3).splitlines()]
+
+    verses = ["Roses are red,", "violets are blue,", "sugar is sweet.", "keep  = 1", "this = 2", "And so", "are you."]
+    assert all(verse in lines for verse in verses)
+    assert not [line for line in lines for a, b in zip(verses, verses[1:]) if a in line and b in line]  # none joined
+
+
+# the answer on a real screen -------------------------------------------------------------
+
+WORD = re.compile(r"[A-Za-z0-9]+")
+FENCE_INFO = re.compile(r"^(\s*(?:```|~~~))\S*", re.MULTILINE)  # a code block's language, not drawn
+
+
+def shows_in_order(words: list[str], screen: list[str]) -> list[str]:
+    """The words that screen does not show in their order (none: every word is there)."""
+    shown = iter(screen)
+    return [w for w in words if not any(s == w for s in shown)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width, prompts", [
+    (60, ["Write a poem about the sea, in short lines."]),
+    (100, ["Explain in two long paragraphs why the sky is blue.", "Write a Python function that sorts a list."]),
+    (160, ["Write a long story about a dragon."]),
+], ids=["60", "100", "160"])
+def test_every_word_of_an_answer_is_on_the_screen_or_in_the_scrollback(model_path, tmp_path, width, prompts):
+    screen = TmuxScreen(["chat", "--model", str(model_path), "--backend", "numpy", "--kv-memory", "64MiB",
+                         "--temperature", "0", "--max-tokens", "160", "--ctx-size", "1024"],
+                        width, 16, tmp_path, PROMPT_TOOLKIT_NO_CPR="1")
+    try:
+        screen.wait_for(PROMPT)
+        for n, prompt in enumerate(prompts, 1):
+            screen.keys(prompt, "Enter")
+            screen.wait_for("tokens/s", count=n, source=screen.history)
+        saved = tmp_path / "answers.json"
+        screen.keys(f"/save {saved}", "Enter")
+        screen.wait_for(f"saved {2 * len(prompts)} messages")
+        history = screen.history()
+        screen.keys("C-d")
+        screen.wait_for(f"{EXIT_MARK}0")
+    finally:
+        screen.close()
+
+    answers = [m["content"] for m in json.loads(saved.read_text())["messages"] if m["role"] == "assistant"]
+    assert len(answers) == len(prompts)
+    shown = WORD.findall(history)
+    for answer in answers:
+        words = WORD.findall(FENCE_INFO.sub(r"\1", answer))
+        assert len(words) > 40  # long enough to outgrow the screen
+        assert shows_in_order(words, shown) == [], history

@@ -5,8 +5,6 @@ import asyncio
 import json
 import os
 import re
-import shlex
-import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +16,8 @@ from contextlib import contextmanager
 import pytest
 import uvicorn
 from starlette.responses import PlainTextResponse
+from textual import events
+from textual.keys import _character_to_key
 from textual.widgets import Input
 
 from edgeserve.engine.async_engine import AsyncEngine
@@ -25,8 +25,9 @@ from edgeserve.cli.chat_clients import EngineClient, RemoteClient
 from edgeserve.cli.options import build_engine
 from edgeserve.config import EngineConfig
 from edgeserve.cli.tui_app import EdgeserveApp, HelpScreen, SessionPane
-from edgeserve.cli.tui_panels import KVMap, StatusPanel
+from edgeserve.cli.tui_panels import GLYPHS, PANEL_WIDTH, KVMap, StatusPanel
 from edgeserve.server.app import create_app
+from tmux_screen import EXIT_MARK, TmuxScreen
 
 TIMEOUT = 180.0  # seconds for answers on a slow, shared CPU
 GREEDY = {"temperature": 0.0}
@@ -133,7 +134,7 @@ async def test_stopping_keeps_the_session_and_closing_aborts_its_request(aengine
         assert request_id in live and any(request_id in owners for _, owners in kv)
 
         await pilot.press("ctrl+w")
-        await wait_until(pilot, lambda: not app.sessions, "the session closes")
+        await wait_until(pilot, lambda: pane not in app.sessions, "the session closes")
 
         live, kv = await engine_state(aengine)
         assert live == []
@@ -236,49 +237,8 @@ def test_a_server_that_is_not_there_is_one_line_of_error():
 
 # the real screen --------------------------------------------------------------------
 
-EXIT_MARK = "tui exited with "
-
-
-class TmuxScreen:
-    """`edgeserve tui` in a private tmux server at a given size; the pane stays after it exits, to read."""
-
-    def __init__(self, args: list[str], width: int, height: int, home, **env: str):
-        if shutil.which("tmux") is None:
-            if os.environ.get("CI"):
-                pytest.fail("tmux is missing (apt-get install tmux)")
-            pytest.skip("tmux is not installed")
-        self.server = f"edgeserve-test-{os.getpid()}-{width}x{height}"  # whatever tmux the user runs
-        command = shlex.join([sys.executable, "-c", "from edgeserve.cli.main import cli; cli()", "tui", *args])
-        env = {**os.environ, "EDGESERVE_HOME": str(home), "TERM": "xterm-256color", **env}
-        subprocess.run(["tmux", "-L", self.server, "-f", os.devnull, "new-session", "-d", "-s", "tui",
-                        "-x", str(width), "-y", str(height), f"{command}; echo {EXIT_MARK}$?; sleep 600"],
-                       check=True, env=env)
-
-    def tmux(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.server, *args], check=True, capture_output=True, text=True).stdout
-
-    def screen(self, escapes: bool = False) -> str:
-        return self.tmux("capture-pane", "-p", *(["-e"] if escapes else []), "-t", "tui")
-
-    def keys(self, *keys: str) -> None:
-        self.tmux("send-keys", "-t", "tui", *keys)
-
-    def wait_for(self, *texts: str) -> str:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            screen = self.screen()
-            if all(t in screen for t in texts):
-                return screen
-            if time.monotonic() > deadline:
-                pytest.fail(f"the screen never showed {texts}:\n{screen}")
-            time.sleep(0.3)
-
-    def close(self) -> None:
-        subprocess.run(["tmux", "-L", self.server, "kill-server"], capture_output=True)
-
-
 def tui_args(model_path, *more: str) -> list[str]:
-    return ["--model", str(model_path), "--backend", "numpy", "--kv-memory", "32MiB", "--temp", "0", *more]
+    return ["tui", "--model", str(model_path), "--backend", "numpy", "--kv-memory", "32MiB", "--temp", "0", *more]
 
 
 def test_the_real_screen_at_160x48_shows_sessions_and_the_kv_map(model_path, tmp_path):
@@ -318,7 +278,7 @@ def test_the_real_screen_at_80x24(model_path, tmp_path):
         assert any("Session 1" in line and "Session 2" in line for line in screen.splitlines())  # side by side
 
         tui_screen.keys("F2")
-        tui_screen.wait_for("KV pool", "one cell: 1 block of 16 tokens")
+        tui_screen.wait_for("KV pool", "one cell:")
         tui_screen.keys("F2")
         tui_screen.keys("?")
         tui_screen.wait_for("Keys", "show or hide the engine panel")
@@ -403,6 +363,7 @@ async def test_stats_and_the_processing_status_before_the_first_token(aengine):
         app.watch(pane, "state", lambda state: states.append(state), init=False)
         await send(pilot, pane, "Tell me about the sea. " * 20)  # a prompt that takes a moment
         await wait_until(pilot, lambda: not pane.answering and pane.last_stats is not None, "the answer ends")
+        await wait_until(pilot, lambda: states[-1] == pane.last_stats.brief(), "the border shows the figures")
 
         waiting = [s for s in states if s.startswith("processing prompt (")]
         assert waiting == [f"processing prompt ({pane.last_stats.prompt_tokens} tokens)…"]
@@ -452,3 +413,94 @@ async def test_quitting_while_answers_stream_leaves_no_error(aengine, caplog):
     await asyncio.sleep(0.1)
     assert errors == []
     assert not [r for r in caplog.records if "InvalidStateError" in r.getMessage()]
+
+
+# first frames, fast typing, the last session, narrow screens, a redirected stderr ----------------
+
+
+@pytest.fixture
+def tiny_aengine(tiny_model) -> Iterator[AsyncEngine]:
+    """An engine over the tiny random model: the TUI's own behaviour, without waiting on a real one."""
+    from edgeserve.engine.llm_engine import LLMEngine
+
+    aengine = AsyncEngine(LLMEngine(tiny_model, EngineConfig(backend="numpy", kv_memory="16MiB")))
+    yield aengine
+    aengine.shutdown()
+
+
+async def test_a_question_mark_typed_fast_at_the_end_of_a_line_is_typed(tiny_aengine):
+    app = tui(EngineClient(tiny_aengine), max_tokens=8)
+    async with app.run_test(size=(80, 24)) as pilot:
+        box = app.sessions[0].query_one(Input)
+        for character in "And 3+3?":  # as a terminal delivers fast typing: all queued before any is handled
+            app.post_message(events.Key(_character_to_key(character), character))
+        await pilot.pause(0.2)
+
+        assert box.value == "And 3+3?"
+        assert not isinstance(app.screen, HelpScreen)
+
+
+async def test_the_kv_map_waits_for_its_first_snapshot_rather_than_saying_there_is_none(tiny_aengine):
+    app = EdgeserveApp(EngineClient(tiny_aengine), refresh_interval=3600)  # no snapshot but the one asked for
+    async with app.run_test(size=(160, 45)) as pilot:
+        kv_map = app.query_one(KVMap)
+        first = screen_text(app)
+        assert "no KV map" not in first and "waiting for the first snapshot" in first
+
+        await app.refresh_status()
+        await pilot.pause()
+
+        assert kv_map.blocks and "waiting" not in str(kv_map.render())
+        assert set(str(kv_map.render()).replace("\n", "")) <= set(GLYPHS.values())
+
+
+async def test_closing_the_last_session_opens_a_fresh_one(tiny_aengine):
+    app = tui(EngineClient(tiny_aengine), max_tokens=8)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("ctrl+w")
+        await wait_until(pilot, lambda: [s.number for s in app.sessions] == [2], "a fresh session opens")
+        await pilot.pause()
+
+        assert app.current_session() is app.sessions[0]  # its input line has the focus: ready to type
+        assert "Session 2" in screen_text(app)
+
+
+async def test_the_engine_panel_takes_a_third_of_a_narrow_screen(tiny_aengine):
+    app = tui(EngineClient(tiny_aengine), max_tokens=8)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("f2")
+        await pilot.pause()
+        panel, pane = app.query_one(StatusPanel), app.sessions[0]
+
+        assert panel.display and panel.outer_size.width <= 80 * 0.36
+        assert pane.outer_size.width >= 80 - panel.outer_size.width
+        await pilot.resize_terminal(160, 45)
+        await pilot.pause()
+        assert panel.outer_size.width == PANEL_WIDTH  # its full width, where there is room
+
+
+async def test_answers_keep_their_line_breaks(tiny_aengine, tmp_path):
+    poem = "Roses are red,\nviolets are blue,\nsugar is sweet.\n\n```\nkeep = 1\nthis = 2\n```"
+    saved = tmp_path / "poem.json"
+    saved.write_text(json.dumps([{"role": "user", "content": "A poem?"}, {"role": "assistant", "content": poem}]))
+    app = tui(EngineClient(tiny_aengine), max_tokens=8)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await send(pilot, app.sessions[0], f"/load {saved}")
+        await pilot.pause()
+
+        lines = [line.strip(" │╭╮╰╯─") for line in screen_text(app).splitlines()]
+        verses = ["Roses are red,", "violets are blue,", "sugar is sweet.", "keep = 1", "this = 2"]
+        assert all(verse in lines for verse in verses), "\n".join(lines)
+
+
+def test_a_tui_that_cannot_draw_on_stderr_says_so_on_stdout(tmp_path):
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        result = subprocess.run(
+            [sys.executable, "-c", "from edgeserve.cli.main import cli; cli()", "tui", "--model", "no-such-model"],
+            stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=120, stdin=subprocess.DEVNULL,
+            env={**os.environ, "EDGESERVE_HOME": str(tmp_path)})
+
+    assert result.returncode == 1
+    assert "the TUI draws on stderr, which is not a terminal here" in result.stdout
+    assert "not a terminal" in log.read_text() and "Traceback" not in log.read_text()
