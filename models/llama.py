@@ -3,8 +3,12 @@
 The forward pass takes one ragged batch (decode tokens and prefill chunks of many sequences) and
 reads/writes K/V through the paged pool, so the same code serves one stream or many.
 
-A family that differs in a part subclasses that part (`Attention`, `MLP`) and names it on a
-subclass of `Llama`; one whose blocks are wired otherwise also overrides `load_layer` and `block`.
+Each part is a description as much as code: its weights and the options the families set
+(per-head q/k norms, a query scale, a sliding window, which RoPE tables, the MLP's activation, norms
+after attention and MLP). The block-by-block code below reads them, and so does a backend that runs
+every block of a step as one call (`Backend.fuse_blocks`). A family sets the options in its loaders
+(`Attention.load`, `MLP.load`, `load_layer`); one whose blocks compute something else overrides
+`block` or a part's `__call__`, and runs block by block.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edgeserve.backends.base import Array, Backend, Prepared, StepMeta
+from edgeserve.backends.base import Array, Backend, HostWeight, Prepared, RopeTables, StepMeta
 from edgeserve.batch import Batch
 from edgeserve.models.base import ModelArgs, Weights, rope_inv_freq
 
 if TYPE_CHECKING:
     from edgeserve.backends.kv_pool import KVPool
+
+ACTIVATIONS = ("silu", "gelu_tanh")  # an MLP's gate: SiLU, or GELU in its tanh approximation
 
 
 @dataclass
@@ -38,6 +44,12 @@ class Attention:
     qkv_bias: Array | None
     o: Prepared
     window: int | None = None  # keys each query sees, itself included (sliding-window attention); None: all
+    # an RMSNorm over each q head and each k head before RoPE (Qwen 3, Gemma 3): both or neither
+    q_norm: Array | None = None
+    k_norm: Array | None = None
+    norm_eps: float = 1e-6
+    q_scale: float = 1.0  # q times this after RoPE, on top of attention's 1 / sqrt(head_dim)
+    rope: int = 0  # which of the model's RoPE tables (`Llama.ropes`) rotates q and k
 
     @classmethod
     def load(cls, args: ModelArgs, weights: Weights, prefix: str, be: Backend) -> Attention:
@@ -69,17 +81,33 @@ class Attention:
         return be.matmul(o.reshape(t, n_q * hd), self.o)
 
     def position(self, be: Backend, qk: Array, meta: StepMeta) -> tuple[Array, Array]:
-        """q and k of the q then k heads qk [T, n_q + n_kv, head_dim], rotated to their positions."""
-        qk = be.apply_rope(qk, meta)  # q and k heads in one call
-        return qk[:, : self.n_heads], qk[:, self.n_heads :]
+        """q and k of the q then k heads qk [T, n_q + n_kv, head_dim]: normed per head where the family
+        does, rotated to their positions, q scaled."""
+        n_q = self.n_heads
+        if self.q_norm is None:
+            qk = be.apply_rope(qk, meta)  # q and k heads in one call
+            q, k = qk[:, :n_q], qk[:, n_q:]
+        else:
+            t, n_kv, hd = qk.shape[0], self.n_kv_heads, self.head_dim
+            q = be.rms_norm(qk[:, :n_q].reshape(t * n_q, hd), self.q_norm, self.norm_eps)
+            k = be.rms_norm(qk[:, n_q:].reshape(t * n_kv, hd), self.k_norm, self.norm_eps)
+            q, k = be.apply_rope(q.reshape(t, n_q, hd), meta), be.apply_rope(k.reshape(t, n_kv, hd), meta)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        return q, k
 
 
 @dataclass
 class MLP:
-    """SiLU-gated MLP, gate and up fused into one matmul."""
+    """Gated MLP, gate and up fused into one matmul: SiLU-gated, or GELU-gated (tanh approximation; Gemma)."""
 
     gate_up: Prepared
     down: Prepared
+    activation: str = "silu"  # or "gelu_tanh"
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown MLP activation {self.activation!r} (choose from {', '.join(ACTIVATIONS)})")
 
     @classmethod
     def load(cls, args: ModelArgs, weights: Weights, prefix: str, be: Backend) -> MLP:
@@ -90,17 +118,22 @@ class MLP:
         )
 
     def __call__(self, be: Backend, x: Array) -> Array:
-        return be.matmul(be.silu_mul(be.matmul(x, self.gate_up)), self.down)
+        gate_up = be.matmul(x, self.gate_up)
+        act = be.silu_mul(gate_up) if self.activation == "silu" else be.gelu_tanh_mul(gate_up)
+        return be.matmul(act, self.down)
 
 
 @dataclass
 class Layer:
-    """One decoder block: RMSNorm before attention and before the MLP, each added to the residual."""
+    """One decoder block: RMSNorm before attention and before the MLP, each added to the residual
+    (Gemma 3: each output normed again before it is added)."""
 
     attn_norm: Array
     attention: Attention
     mlp_norm: Array
     mlp: MLP
+    post_attn_norm: Array | None = None
+    post_mlp_norm: Array | None = None
 
 
 class Llama:
@@ -116,47 +149,75 @@ class Llama:
 
     def __init__(self, args: ModelArgs, weights: Weights, backend: Backend):
         self.args = args
-        self.backend = backend
-        be = backend
+        self.backend = be = backend
         self.embed = be.embedding(weights["model.embed_tokens.weight"])
         head = weights.get("lm_head.weight")
         self.lm_head = be.head(self.embed if head is None or args.tie_word_embeddings else be.embedding(head))
-        self.norm = be.vector(weights["model.norm.weight"])
-        self.layers = [self.load_layer(weights, f"model.layers.{i}.") for i in range(args.num_hidden_layers)]
-        self.rope = be.rope_tables(rope_inv_freq(args), args.max_position_embeddings)
-        # The backend may run plain blocks as one call; a family that changes a part runs its own code.
-        self.fused_blocks = be.fuse_blocks(self.layers, args.rms_norm_eps) if self.has_plain_blocks() else None
+        self.norm = self.norm_vector(weights["model.norm.weight"])
+        self.layers = [self.load_layer(weights, i) for i in range(args.num_hidden_layers)]
+        self.ropes = self.rope_tables()
+        # The backend may run every block as one call, from the parts' descriptions; a family whose
+        # blocks compute something else runs its own code, block by block.
+        fusable = self.has_plain_blocks()
+        self.fused_blocks = be.fuse_blocks(self.layers, args.rms_norm_eps, self.ropes) if fusable else None
 
     def has_plain_blocks(self) -> bool:
-        """Whether every block is this file's Llama block, as a backend's fused blocks compute it."""
-        cls = type(self)
-        return (cls.block is Llama.block and cls.load_layer is Llama.load_layer and cls.attention_class is Attention
-                and cls.mlp_class is MLP)
+        """Whether every block is computed by this file's code from its parts' descriptions, which is
+        what a backend's fused blocks compute."""
+        def shared(part: object, base: type, *methods: str) -> bool:
+            return all(getattr(type(part), m) is getattr(base, m) for m in methods)
 
-    def load_layer(self, weights: Weights, prefix: str) -> Layer:
-        be = self.backend
+        return type(self).block is Llama.block and all(
+            shared(layer.attention, Attention, "__call__", "position") and shared(layer.mlp, MLP, "__call__")
+            for layer in self.layers)
+
+    def norm_vector(self, w: HostWeight) -> Array:
+        """An RMSNorm weight as the scale the backend's rms_norm multiplies by."""
+        return self.backend.vector(w)
+
+    def rope_tables(self) -> list[RopeTables]:
+        """The RoPE tables layers pick from by `Attention.rope`; the first is the step's own."""
+        return [self.backend.rope_tables(rope_inv_freq(self.args), self.args.max_position_embeddings)]
+
+    def load_layer(self, weights: Weights, i: int) -> Layer:
+        be, prefix = self.backend, f"model.layers.{i}."
         return Layer(
-            attn_norm=be.vector(weights[prefix + "input_layernorm.weight"]),
+            attn_norm=self.norm_vector(weights[prefix + "input_layernorm.weight"]),
             attention=self.attention_class.load(self.args, weights, prefix + "self_attn.", be),
-            mlp_norm=be.vector(weights[prefix + "post_attention_layernorm.weight"]),
+            mlp_norm=self.norm_vector(weights[prefix + "post_attention_layernorm.weight"]),
             mlp=self.mlp_class.load(self.args, weights, prefix + "mlp.", be),
         )
 
     def block(self, layer: Layer, i: int, h: Array, kv: KVPool, meta: StepMeta) -> Array:
         """The residual stream h after decoder block i."""
         be, eps = self.backend, self.args.rms_norm_eps
-        h = h + layer.attention(be, be.rms_norm(h, layer.attn_norm, eps), i, kv, meta)
-        return h + layer.mlp(be, be.rms_norm(h, layer.mlp_norm, eps))
+        a = layer.attention(be, be.rms_norm(h, layer.attn_norm, eps), i, kv, meta)
+        if layer.post_attn_norm is not None:
+            a = be.rms_norm(a, layer.post_attn_norm, eps)
+        h = h + a
+        m = layer.mlp(be, be.rms_norm(h, layer.mlp_norm, eps))
+        if layer.post_mlp_norm is not None:
+            m = be.rms_norm(m, layer.post_mlp_norm, eps)
+        return h + m
+
+    def embed_tokens(self, ids: Array) -> Array:
+        """The residual stream's first value: the tokens' embeddings [T, hidden]."""
+        return self.backend.embed(self.embed, ids)
+
+    def logits(self, h: Array) -> Array:
+        """Logits of final hidden states (normed) [T, hidden]."""
+        return self.backend.lm_head(h, self.lm_head)
 
     def forward(self, batch: Batch, kv: KVPool) -> Array:
         """Run one step; return logits of the rows in batch.logits_indices."""
         be = self.backend
-        meta = be.batch_meta(batch, self.rope)
-        h = be.embed(self.embed, meta.token_ids)
+        meta = be.batch_meta(batch, self.ropes[0])
+        h = self.embed_tokens(meta.token_ids)
         if self.fused_blocks is not None:
             h = self.fused_blocks(h, kv, meta)
         else:
+            metas = [meta, *(be.with_rope(meta, rope) for rope in self.ropes[1:])]
             for i, layer in enumerate(self.layers):
-                h = self.block(layer, i, h, kv, meta)
+                h = self.block(layer, i, h, kv, metas[layer.attention.rope])
         h = be.rms_norm(be.take_rows(h, meta.logits_indices), self.norm, self.args.rms_norm_eps)
-        return be.lm_head(h, self.lm_head)
+        return self.logits(h)

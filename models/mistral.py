@@ -22,7 +22,3 @@ class WindowedAttention(Attention):
 
 class Mistral(Llama):
     attention_class = WindowedAttention
-
-    def has_plain_blocks(self) -> bool:
-        """Without a window (or with one no sequence outgrows), Mistral's blocks are Llama's."""
-        return self.args.sliding_window is None

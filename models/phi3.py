@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from edgeserve.backends.base import Array, Backend, StepMeta
+from edgeserve.backends.base import Backend
 from edgeserve.errors import ModelLoadError
 from edgeserve.models.base import LONGROPE, ModelArgs, Weights, WindowedArgs, rope_attention_factor, rope_kind
 from edgeserve.models.llama import MLP, Attention, Llama
@@ -40,20 +40,15 @@ class Phi3Args(WindowedArgs):
 
 @dataclass
 class Phi3Attention(Attention):
-    rope_factor: float = 1.0  # LongRoPE's scale of cos and sin
-
     @classmethod
     def load(cls, args: ModelArgs, weights: Weights, prefix: str, be: Backend) -> Phi3Attention:
+        """q/k/v from one matrix; LongRoPE's scale of cos and sin is on q and k both, so their
+        product, which attention sees, scales by its square: q carries it."""
+        factor = rope_attention_factor(args)
         return cls(args.num_attention_heads, args.num_key_value_heads, args.head_dim,
                    qkv=be.linear([weights[prefix + "qkv_proj.weight"]]), qkv_bias=None,
                    o=be.linear([weights[prefix + "o_proj.weight"]]), window=args.sliding_window,
-                   rope_factor=rope_attention_factor(args))
-
-    def position(self, be: Backend, qk: Array, meta: StepMeta) -> tuple[Array, Array]:
-        q, k = super().position(be, qk, meta)
-        if self.rope_factor != 1.0:  # transformers scales q and k: their product is what attention sees
-            q = q * (self.rope_factor * self.rope_factor)
-        return q, k
+                   q_scale=factor * factor)
 
 
 @dataclass

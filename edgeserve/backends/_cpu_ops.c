@@ -27,7 +27,7 @@ and third time inside AVX2 and AVX-512 target functions for the small ops on x86
 
 #define ATT_TILE 64    /* keys per tile: a tile's scores stay in L1; a multiple of 16 (keys go by 4, masks by 16) */
 #define ATT_GROUP 8    /* query heads per item at most (bounds the item's stack buffers) */
-#define ATT_MAX_HD 256
+#define ATT_MAX_HD QM_MAX_HEAD_DIM
 #define ATT_SPLIT 256  /* keys per range: shorter ones cost more in merging than they gain; a multiple of ATT_TILE */
 #define LANES 16
 #define INLINE static inline __attribute__((always_inline))
@@ -760,13 +760,16 @@ PyObject *qm_py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_TRUE;
 }
 
-/* silu_mul(gate_up, out) -> bool: out = silu(gate) * up for gate_up float32 [R, 2F], out [R, F]. */
+/* silu_mul(gate_up, out[, gelu]) -> bool: out = silu(gate) * up for gate_up float32 [R, 2F], out [R, F];
+   with gelu true, gelu(gate) * up (GELU in its tanh approximation). */
 PyObject *qm_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "silu_mul takes 2 arguments");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "silu_mul takes 2 or 3 arguments");
         return NULL;
     }
+    const int gelu = nargs == 3 ? PyObject_IsTrue(args[2]) : 0;
+    if (gelu < 0) return NULL;
     Buffers bs = {.n = 0};
     Py_buffer *x, *o;
     if (!(x = take(&bs, args[0], 0)) || !(o = take(&bs, args[1], 1))) {
@@ -778,8 +781,8 @@ PyObject *qm_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         release(&bs);
         Py_RETURN_FALSE;
     }
-    WITH_POOL(qm_silu_mul((const float *)x->buf, row_stride(x), (float *)o->buf, row_stride(o), (int)x->shape[0],
-                          (int)x->shape[1] / 2));
+    WITH_POOL((gelu ? qm_gelu_tanh_mul : qm_silu_mul)((const float *)x->buf, row_stride(x), (float *)o->buf,
+                                                      row_stride(o), (int)x->shape[0], (int)x->shape[1] / 2));
     release(&bs);
     Py_RETURN_TRUE;
 }
@@ -813,4 +816,45 @@ PyObject *qm_py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                 (size_t)(x->shape[1] * x->shape[2]));
     release(&bs);
     Py_RETURN_TRUE;
+}
+
+/* ---- ops of the other families' blocks (Qwen 3 and Gemma 3): q/k head norms and the GELU gate ---- */
+
+/* gate | up [rows, 2 * cols] -> gelu(gate) * up [rows, cols], GELU in its tanh approximation written
+   as g * sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3): 0.5 (1 + tanh u) = 1 / (1 + exp(-2u)), and
+   exp_poly vectorizes where tanhf does not */
+INLINE void gelu_tanh_mul_rows(const OpsTask *t, int r0, int r1) {
+    const int F = t->cols;
+    for (int r = r0; r < r1; r++) {
+        const float *g = t->x + (size_t)r * t->x_row, *u = g + F;
+        float *o = t->out + (size_t)r * t->out_row;
+        for (int k = 0; k < F; k++) {
+            const float a = 0.7978845608f * (g[k] + 0.044715f * g[k] * g[k] * g[k]);
+            o[k] = g[k] / (1.f + exp_poly(-2.f * a)) * u[k];
+        }
+    }
+}
+
+/* rows of `heads` heads [cols] each, normed in place: rms_norm_rows on each row's heads as rows */
+INLINE void head_rms_norm_rows(const OpsTask *t, int r0, int r1) {
+    for (int r = r0; r < r1; r++) {
+        OpsTask heads = *t;
+        heads.x = heads.out = t->out + (size_t)r * t->out_row;
+        heads.x_row = heads.out_row = t->cols;
+        rms_norm_rows(&heads, 0, t->heads);
+    }
+}
+
+OPS_ITEM_FNS(gelu_tanh_mul)
+OPS_ITEM_FNS(head_rms_norm)
+
+void qm_gelu_tanh_mul(const float *x, Py_ssize_t x_row, float *out, Py_ssize_t out_row, int rows, int cols) {
+    OpsTask t = {.x = x, .out = out, .x_row = x_row, .out_row = out_row, .rows = rows, .cols = cols};
+    run_ops(&t, OPS_PICK(gelu_tanh_mul), (size_t)cols);
+}
+
+void qm_head_rms_norm(float *x, Py_ssize_t x_row, const float *w, int rows, int heads, int hd, float eps) {
+    OpsTask t = {.x = x, .w = w, .out = x, .x_row = x_row, .out_row = x_row, .rows = rows, .heads = heads,
+                 .cols = hd, .eps = eps};
+    run_ops(&t, OPS_PICK(head_rms_norm), (size_t)heads * hd);
 }

@@ -47,6 +47,9 @@ int qm_matrix_parse(PyObject *const *args, int n, Py_ssize_t K, QmMatrix *m, Py_
 /* out[:, :N] = x @ W.T for x [R, K] C-contiguous; -1 when out of memory. */
 int qm_gemm(const QmMatrix *m, const float *x, int R, float *out, Py_ssize_t ldo);
 
+/* The widest head attention takes. */
+#define QM_MAX_HEAD_DIM 256
+
 /* Attention of D query rows q [D, H, hd] over the pools [blocks, bs, n_kv, hd], row s seeing
    lens[s] keys through block_tables row s (its last `window` of them where window > 0); out
    [D, H, hd] C-contiguous. -1 when out of memory. */
@@ -74,6 +77,13 @@ void qm_rope(const float *x, Py_ssize_t x_row, const float *cos, const float *si
 
 /* silu(gate) * up for x = gate | up [rows, 2 * cols] into out [rows, cols]. */
 void qm_silu_mul(const float *x, Py_ssize_t x_row, float *out, Py_ssize_t out_row, int rows, int cols);
+
+/* gelu(gate) * up, GELU in its tanh approximation, for x = gate | up [rows, 2 * cols] into out [rows, cols]. */
+void qm_gelu_tanh_mul(const float *x, Py_ssize_t x_row, float *out, Py_ssize_t out_row, int rows, int cols);
+
+/* RMSNorm over each of the `heads` heads [hd] of x's rows (heads contiguous), in place: Qwen 3's
+   and Gemma 3's q and k norms, the same bits as qm_rms_norm on the heads as rows. */
+void qm_head_rms_norm(float *x, Py_ssize_t x_row, const float *w, int rows, int heads, int hd, float eps);
 
 PyObject *qm_py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *qm_py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

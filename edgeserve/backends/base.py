@@ -63,9 +63,11 @@ class Backend(Protocol):
         """RoPE for positions below max_positions at the given inverse frequencies."""
         ...
 
-    def fuse_blocks(self, layers: list[Any], eps: float) -> Callable[[Array, Any, StepMeta], Array] | None:
-        """All of a model's plain Llama blocks (`models.llama.Layer`) as one call (h, kv_pool, meta) -> h,
-        where the backend has one; None: the model runs its blocks one op at a time."""
+    def fuse_blocks(self, layers: list[Any], eps: float,
+                    ropes: list[RopeTables]) -> Callable[[Array, Any, StepMeta], Array] | None:
+        """All of a model's blocks, as `models.llama.Layer` describes each (its attention rotated by
+        ropes[layer.attention.rope]), as one call (h, kv_pool, meta) -> h, where the backend has one;
+        None: the model runs its blocks one op at a time."""
         ...
 
     # one step: a ragged batch of decode tokens and prefill chunks -----------------------------

@@ -7,9 +7,9 @@ for SmolLM2), far below BLAS's speed, and gathering each sequence's K/V out of t
 costs a full copy: the kernels walk the block tables and read every K and V row in place, with
 the softmax in between.
 
-The C extension of `qmatmul` runs them (see _cpu_ops.c), with RMSNorm, RoPE and the SiLU gate as
-single-pass ops: one call each, on the extension's thread pool, where NumPy's per-call cost is
-most of a decode step's time for these small arrays. Without the extension, or with
+The C extension of `qmatmul` runs them (see _cpu_ops.c), with RMSNorm, RoPE and the SiLU and
+GELU gates as single-pass ops: one call each, on the extension's thread pool, where NumPy's
+per-call cost is most of a decode step's time for these small arrays. Without the extension, or with
 EDGESERVE_QMATMUL=numba, `ops` is None: decode attention runs the numba kernel below and the
 NumpyBackend its NumPy code for the small ops.
 
@@ -96,6 +96,14 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray | None:
         return None
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
     return out if ops.silu_mul(gate_up, out) else None
+
+
+def gelu_tanh_mul(gate_up: np.ndarray) -> np.ndarray | None:
+    """gelu(gate) * up (GELU's tanh approximation) for gate_up [R, 2F] by the C op, or None where it does not run."""
+    if ops is None:
+        return None
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+    return out if ops.silu_mul(gate_up, out, True) else None
 
 
 def write_kv(cache: np.ndarray, values: np.ndarray, slots: np.ndarray) -> bool:

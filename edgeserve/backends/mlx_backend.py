@@ -143,7 +143,7 @@ class MLXBackend:
                 fused.append(np.concatenate([np.asarray(p, dtype=np.float32) for p in group]))
         return Linear([self._weight(w) for w in fused])
 
-    def fuse_blocks(self, layers: list[Any], eps: float) -> None:
+    def fuse_blocks(self, layers: list[Any], eps: float, ropes: list[mx.array]) -> None:
         return None  # MLX evaluates the step's graph lazily, so its per-op calls cost little
 
     def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> mx.array:

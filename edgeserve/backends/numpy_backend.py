@@ -12,7 +12,7 @@ Every row attends through the compiled kernel of `cpu_kernels` as a query of its
 row sees keys up to its position), so a row's result never depends on the rows beside it: with
 the row-exact matmul kernels, a prompt's logits are the same bits alone, in a batch, or after a
 prefix-cache hit, and seeded answers do not change with the server's load. RMSNorm,
-RoPE and the SiLU gate run as single-pass C ops of `cpu_kernels` where the extension is built
+RoPE and the SiLU and GELU gates run as single-pass C ops of `cpu_kernels` where the extension is built
 (a decode step calls each of them per layer on one row, where NumPy's per-call cost dominates),
 as NumPy code otherwise.
 """
@@ -137,8 +137,9 @@ class NumpyBackend:
             return qmatmul.prepare([p if isinstance(p, QUANTIZED) else as_float32(p) for p in parts])
         return np.ascontiguousarray(np.concatenate([as_float32(p) for p in parts], axis=0).T)
 
-    def fuse_blocks(self, layers: list[Any], eps: float) -> CPUDecoder | None:
-        return CPUDecoder.build(layers, eps) if self.weights == "quantized" else None
+    def fuse_blocks(self, layers: list[Any], eps: float,
+                    ropes: list[tuple[np.ndarray, np.ndarray]]) -> CPUDecoder | None:
+        return CPUDecoder.build(layers, eps, ropes) if self.weights == "quantized" else None
 
     def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
         angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
@@ -210,6 +211,8 @@ class NumpyBackend:
         return s
 
     def gelu_tanh_mul(self, gate_up: np.ndarray) -> np.ndarray:
+        if (out := cpu_kernels.gelu_tanh_mul(gate_up)) is not None:
+            return out
         half = gate_up.shape[-1] // 2
         g, u = gate_up[:, :half], gate_up[:, half:]
         # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) in one scratch array, worked in place
