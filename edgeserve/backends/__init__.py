@@ -23,12 +23,13 @@ __all__ = ["BACKENDS", "WEIGHT_MODES", "Backend", "get_backend", "resident_weigh
 
 
 def get_backend(name: str = "auto", weights: str = "auto", model: LoadedModel | None = None,
-                threads: int | None = None) -> Backend:
+                threads: int | None = None, activations: str | None = None) -> Backend:
     """A backend instance; 'auto' takes MLX on a GPU and NumPy on a plain CPU (MLX's CPU GEMMs are slow).
 
     weights: the NumPy backend's weights mode, one of WEIGHT_MODES or "auto": see
     `choose_weights_mode` (float32 when no model is given).
-    MLX keeps weights quantized whatever the mode. threads: the NumPy kernels' CPU threads (None: every core).
+    MLX keeps weights quantized whatever the mode. threads: the NumPy kernels' CPU threads (None: every core);
+    activations: their activation integers, "int8" or "int16" (None: `qmatmul`'s default).
     """
     if name not in BACKENDS:
         raise EdgeserveError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
@@ -42,4 +43,4 @@ def get_backend(name: str = "auto", weights: str = "auto", model: LoadedModel | 
         return MLXBackend()
     if weights == "auto":
         weights = "float32" if model is None else choose_weights_mode(model, available_memory_bytes())
-    return NumpyBackend(weights=weights, threads=threads)
+    return NumpyBackend(weights=weights, threads=threads, activations=activations)
