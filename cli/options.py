@@ -48,9 +48,9 @@ def model_options(run: Callable) -> Callable:
     f = click.option("--kv-memory", default=DEFAULT_KV_MEMORY, show_default=True,
                      help="KV pool size: 2GiB, 512MiB, or a fraction of free memory (0.25, 25%).")(f)
     f = click.option("--activations", type=click.Choice(list(ACTIVATIONS)), default=None,
-                     help="NumPy backend's quantized kernels: activations as int8 (llama.cpp's way: fewer instructions a weight) "
-                          "or int16 (closest to float32)  [default: EDGESERVE_ACTIVATIONS, else "
-                          f"{DEFAULT_ACTIVATIONS}]")(f)
+                     help="NumPy backend's quantized kernels: activations as int8 (llama.cpp's way: fewer "
+                          "instructions a weight, ~1% higher perplexity) or int16 (closest to float32)  "
+                          f"[default: EDGESERVE_ACTIVATIONS, else {DEFAULT_ACTIVATIONS}]")(f)
     f = click.option("--weights", type=click.Choice(["auto", *WEIGHT_MODES]), default="auto", show_default=True,
                      help="NumPy backend: compute from the quantized storage (least memory, fastest where "
                           "the C kernels built) or float32 copies (the exact reference); auto picks.")(f)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
 
 from edgeserve.backends import qmatmul as qm
+from edgeserve.backends.numpy_backend import NumpyBackend
 from edgeserve.quant.affine import QuantizedTensor, quantize, unpack
 from edgeserve.quant.kquants import KQuantTensor
 from test_kquants import random_kquant
@@ -59,7 +64,8 @@ def int8_reference(x: np.ndarray, w: QuantizedTensor | KQuantTensor) -> tuple[np
     # summed in float32 over the group
     eps = 2.0**-23
     abs_sums = np.abs(xg).sum(axis=2, dtype=np.float64)
-    slack = eps * ((terms.shape[2] + 3) * np.abs(terms).sum(axis=2) + group * abs_sums @ np.abs(bias).T.astype(np.float64))
+    bias_sums = abs_sums @ np.abs(bias).T.astype(np.float64)
+    slack = eps * ((terms.shape[2] + 3) * np.abs(terms).sum(axis=2) + group * bias_sums)
     return terms.sum(axis=2), slack
 
 
@@ -119,6 +125,18 @@ def test_int8_close_to_float(int8_isa):
     step = np.repeat(np.abs(x).reshape(5, -1, 32).max(axis=2), 32, axis=1) / 254
     tol = step @ np.abs(w.dequantize()).T + 1e-5 * (np.abs(x) @ np.abs(w.dequantize()).T)
     assert (np.abs(qm.qmatmul(x, qm.prepare([w])) - ref) <= tol).all()
+
+
+def test_backend_and_environment_choose_the_mode():
+    try:
+        backend = NumpyBackend(weights="quantized", activations="int8")
+        assert qm.get_activations() == "int8" and "int8 activations" in backend.describe()
+    finally:
+        qm.set_activations(qm.DEFAULT_ACTIVATIONS)
+    env = {**os.environ, "EDGESERVE_ACTIVATIONS": "int8"}
+    code = "from edgeserve.backends import qmatmul; print(qmatmul.get_activations())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "int8"
 
 
 def test_activation_mode_is_checked():

@@ -8,18 +8,22 @@ low and high int16 halves of each 32-bit lane (see `_NIBBLE_ORDER`). Scales and 
 [panels, K / group, 16] in float16 (float32 where a value has no exact float16). Resident bytes
 equal the quantized storage, plus at most 15 padding columns per matrix.
 
-Kernel. Each row of x is quantized per weight group to integers, with its float sum kept, so
-that a group contributes s * d_x * sum(q * x_q) + b * sum(x). `set_activations` picks the
-integers (or the EDGESERVE_ACTIVATIONS environment variable): 'int16' (scale max|x| / 32767: an
-error below 2^-16 of the group's largest value, far below the weights' own rounding; the exact
-path) or 'int8' (scale max|x| / 127, as llama.cpp quantizes activations; half the instructions
-per weight). The C extension `_qmatmul` runs the integer dot products as AVX-512 VNNI `vpdpwssd`
+Kernel. Each row of x is quantized per weight group to integers, with its float sum kept, so that
+a group contributes s * d_x * sum(q * x_q) + b * sum(x). `set_activations` picks the integers (or
+the EDGESERVE_ACTIVATIONS environment variable, or --activations): 'int16' (scale max|x| / 32767:
+an error below 2^-16 of the group's largest value, far below the weights' own rounding; the exact
+path) or 'int8' (scale max|x| / 127, as llama.cpp quantizes activations; half the instructions per
+weight). int16 is the default: int8 raised perplexity by 1.0% (SmolLM2-135M Q4_1, 19.96 -> 20.16)
+and 1.2% (Gemma 3 270M Q4_K_M, 18.13 -> 18.35 on half the text), and a decode step, which reads
+memory, ran no faster with it on a 2-core AVX2 machine; only compute-bound batches gained (~10% at
+64-256 rows). The C extension `_qmatmul` runs the integer dot products as AVX-512 VNNI `vpdpwssd`
 or AVX2 `vpmaddwd` for int16 and AVX2 `vpmaddubsw` for int8 (chosen at run time by CPU features;
 plain C elsewhere, e.g. NEON through auto-vectorization), each unpacked weight vector serving
-several rows from registers, on its own pthread pool over (row tile, column panel) items. Without the extension, or with EDGESERVE_QMATMUL=numba, a numba
-kernel runs on the same layout with float32 activations (a panel dequantized to float32, then
-vectorized dot products): exact to float32 rounding, but several times slower than the C
-kernels, a fallback for correctness rather than speed.
+several rows from registers, on its own pthread pool over (row tile, column panel) items. Without
+the extension, or with EDGESERVE_QMATMUL=numba, a numba kernel runs on the same layout with
+float32 activations (a panel dequantized to float32, then vectorized dot products): exact to
+float32 rounding, but several times slower than the C kernels, a fallback for correctness rather
+than speed.
 
 GGUF K-quants (Q4_K, Q5_K, Q6_K) keep their two-level scales: 4-bit panels as above, a second
 plane of uint32 words [K * hbits / 32, 16] per panel with the 5th (Q5_K) or 5th and 6th (Q6_K)
