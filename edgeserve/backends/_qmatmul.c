@@ -493,8 +493,8 @@ static AVX2_TARGET void kernel_avx2(const Task *t, int p0, int p1, int r0, int r
    int16 sums take up to FL words before vpmaddwd (each vpmaddubsw lane is at most
    2 * (2^bits - 1) * 127: 3810 for 4 bits, so 8 of them stay below 2^15). 8-bit weights are
    flipped to signed (w - 128) and multiplied as |w - 128| by x carrying w - 128's sign (vpsignb;
-   2 * 128 * 127 fits int16), and 128 * sum(x) is added back per group. The panel is done as two
-   passes of 8 columns, which keeps a row tile's accumulators in the 16 registers. ---- */
+   2 * 128 * 127 fits int16), and 128 * sum(x) is added back per group. Two rows share each
+   unpacked weight vector (with 4, accumulators spilled from the 16 registers). ---- */
 
 static inline AVX2_TARGET __attribute__((always_inline)) __m256i bcast32(const int8_t *p) {
     int32_t v;
@@ -518,7 +518,7 @@ avx2_group8(const Task *t, const uint32_t *wp, const uint32_t *hp, int g, int h,
     const __m256i hmA = _mm256_set1_epi32(HB == 1 ? 0x00100010 : 0x00300030);
     const __m256i hmB = _mm256_set1_epi32(HB == 1 ? 0x10001000 : 0x30003000);
     const uint32_t *wg = wp + (size_t)g * wpg * PANEL + 8 * h;
-    __m256i s16[4] = {0};
+    __m256i s16[2] = {0};
     for (int r = 0; r < RB; r++) acc[r] = _mm256_setzero_si256();
     const __m256i hw = HB ? _mm256_loadu_si256((const __m256i *)(hp + (size_t)g * PANEL + 8 * h)) : _mm256_setzero_si256();
     for (int j = 0; j < wpg; j++) {
@@ -582,39 +582,35 @@ avx2_scale8(const Task *t, int p, int g, int h, int r0, const __m256i *acc, __m2
     }
 }
 
-/* Rows r0..r0+RB-1 of panel p: up to 2 rows take a group's two halves in turn (a weight line's
-   second half is read while it is still in L1); more rows would take one half of the panel at a
-   time, which keeps their accumulators in registers. */
+/* Rows r0..r0+RB-1 (RB <= 2) of panel p: a group's two halves in turn, so that a weight line's
+   second half is read while it is still in L1; 2 rows x 2 halves of accumulators stay in registers. */
 static inline AVX2_TARGET __attribute__((always_inline)) void
 avx2_rows8(const Task *t, int p, int r0, const int RB, const int HB, const int BITS) {
-    const int K = t->K, ng = K / t->group, NH = RB <= 2 ? 2 : 1;
+    const int K = t->K, ng = K / t->group;
     const uint32_t *wp = t->w + (size_t)p * (K / (32 / BITS)) * PANEL;
     const uint32_t *hp = HB ? t->hw + (size_t)p * (K * HB / 32) * PANEL : NULL;
     const int8_t *xg0 = t->x8 + (size_t)r0 * K;
     const int ncols = t->N - p * PANEL;
-    for (int h0 = 0; h0 < 2; h0 += NH) {
-        __m256 facc[2][4];
-        for (int hh = 0; hh < NH; hh++)
-            for (int r = 0; r < RB; r++) facc[hh][r] = _mm256_setzero_ps();
-        for (int g = 0; g < ng; g++) {
-            __m256i acc[2][4];
-            for (int hh = 0; hh < NH; hh++)
-                avx2_group8(t, wp, hp, g, h0 + hh, xg0 + (size_t)g * t->group, acc[hh], RB, HB, BITS);
-            for (int hh = 0; hh < NH; hh++) avx2_scale8(t, p, g, h0 + hh, r0, acc[hh], facc[hh], RB, BITS);
-        }
-        for (int hh = 0; hh < NH; hh++)
-            for (int r = 0; r < RB; r++) {
-                float *o = t->out + (size_t)(r0 + r) * t->ldo + p * PANEL + 8 * (h0 + hh);
-                const int n = ncols - 8 * (h0 + hh);
-                if (n >= 8) {
-                    _mm256_storeu_ps(o, facc[hh][r]);
-                } else if (n > 0) {
-                    float tmp[8];
-                    _mm256_storeu_ps(tmp, facc[hh][r]);
-                    memcpy(o, tmp, sizeof(float) * n);
-                }
-            }
+    __m256 facc[2][2];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < RB; r++) facc[h][r] = _mm256_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        __m256i acc[2][2];
+        for (int h = 0; h < 2; h++) avx2_group8(t, wp, hp, g, h, xg0 + (size_t)g * t->group, acc[h], RB, HB, BITS);
+        for (int h = 0; h < 2; h++) avx2_scale8(t, p, g, h, r0, acc[h], facc[h], RB, BITS);
     }
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < RB; r++) {
+            float *o = t->out + (size_t)(r0 + r) * t->ldo + p * PANEL + 8 * h;
+            const int n = ncols - 8 * h;
+            if (n >= 8) {
+                _mm256_storeu_ps(o, facc[h][r]);
+            } else if (n > 0) {
+                float tmp[8];
+                _mm256_storeu_ps(tmp, facc[h][r]);
+                memcpy(o, tmp, sizeof(float) * n);
+            }
+        }
 }
 
 static inline AVX2_TARGET __attribute__((always_inline)) void
