@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from edgeserve.backends import BACKENDS, WEIGHT_MODES
+from edgeserve.backends import ACTIVATION_MODES, BACKENDS, DEFAULT_ACTIVATIONS, WEIGHT_MODES
 from edgeserve.config import DEFAULT_KV_MEMORY, EngineConfig
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import DEFAULT_MODEL
@@ -32,14 +32,14 @@ class BackendChoice(click.Choice):
 
 
 def model_options(run: Callable) -> Callable:
-    """--model, and the engine's --backend, --weights, --kv-memory, --threads and --ctx-size, which reach
+    """--model, and the engine's --backend, --weights, --activations, --kv-memory, --threads and --ctx-size, which reach
     the command as one EngineConfig argument `config`."""
 
     @functools.wraps(run)
-    def command(*args: object, backend: str, weights: str, kv_memory: str, threads: int | None,
-                ctx_size: int | None, **kwargs: object) -> object:
+    def command(*args: object, backend: str, weights: str, activations: str | None, kv_memory: str,
+                threads: int | None, ctx_size: int | None, **kwargs: object) -> object:
         config = EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory, threads=threads,
-                              max_model_len=ctx_size)
+                              max_model_len=ctx_size, activations=activations)
         return run(*args, config=config, **kwargs)
 
     f = click.option("--ctx-size", "-c", type=click.IntRange(min=16), default=None,
@@ -48,6 +48,10 @@ def model_options(run: Callable) -> Callable:
                      help="CPU threads for the NumPy backend's kernels  [default: every core]")(f)
     f = click.option("--kv-memory", default=DEFAULT_KV_MEMORY, show_default=True,
                      help="KV pool size: 2GiB, 512MiB, or a fraction of free memory (0.25, 25%).")(f)
+    f = click.option("--activations", type=click.Choice(list(ACTIVATION_MODES)), default=None,
+                     help="NumPy backend's quantized kernels: activations as int8 (llama.cpp's way: fewer "
+                          "instructions a weight, ~1% higher perplexity) or int16 (closest to float32)  "
+                          f"[default: EDGESERVE_ACTIVATIONS, else {DEFAULT_ACTIVATIONS}]")(f)
     f = click.option("--weights", type=click.Choice(["auto", *WEIGHT_MODES]), default="auto", show_default=True,
                      help="NumPy backend: compute from the quantized storage (least memory, fastest where "
                           "the C kernels built) or float32 copies (the exact reference); auto picks.")(f)

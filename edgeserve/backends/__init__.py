@@ -22,8 +22,11 @@ if TYPE_CHECKING:
 
 BACKENDS = ("auto", "numpy", "mlx")
 WEIGHT_MODES = ("float32", "quantized")
+# the integers the quantized CPU kernels turn activations into (see qmatmul for the cost of int8)
+ACTIVATION_MODES = ("int8", "int16")
+DEFAULT_ACTIVATIONS = "int16"
 
-__all__ = ["BACKENDS", "WEIGHT_MODES", "Backend", "get_backend", "resident_weight_bytes"]
+__all__ = ["ACTIVATION_MODES", "BACKENDS", "DEFAULT_ACTIVATIONS", "WEIGHT_MODES", "Backend", "get_backend", "resident_weight_bytes"]
 
 # names this package hands out from a backend module, loaded on first use
 _LAZY = {"Backend": "edgeserve.backends.base", "resident_weight_bytes": "edgeserve.backends.numpy_backend"}
@@ -43,12 +46,13 @@ class HasWeights(Protocol):
 
 
 def get_backend(name: str = "auto", weights: str = "auto", model: HasWeights | None = None,
-                threads: int | None = None) -> Backend:
+                threads: int | None = None, activations: str | None = None) -> Backend:
     """A backend instance; 'auto' takes MLX on a GPU and NumPy on a plain CPU (MLX's CPU GEMMs are slow).
 
     weights: the NumPy backend's weights mode, one of WEIGHT_MODES or "auto": see
     `choose_weights_mode` (float32 when no model is given).
-    MLX keeps weights quantized whatever the mode. threads: the NumPy kernels' CPU threads (None: every core).
+    MLX keeps weights quantized whatever the mode. threads: the NumPy kernels' CPU threads (None: every core);
+    activations: their activation integers, "int8" or "int16" (None: `qmatmul`'s default).
     """
     if name not in BACKENDS:
         raise EdgeserveError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
@@ -64,4 +68,4 @@ def get_backend(name: str = "auto", weights: str = "auto", model: HasWeights | N
 
     if weights == "auto":
         weights = "float32" if model is None else choose_weights_mode(model, available_memory_bytes())
-    return NumpyBackend(weights=weights, threads=threads)
+    return NumpyBackend(weights=weights, threads=threads, activations=activations)

@@ -14,7 +14,7 @@ row's own length only, a row's result is the same bits whatever else is in the b
 gives the same answer alone, beside other requests, or after a prefix-cache hit). exp is a polynomial (Cephes' expf, ~1 ulp) that vectorizes: libm's expf per
 score costs more than the dot product it follows.
 
-Code paths: AVX-512 intrinsics for the attention, where head_dim is a multiple of 16; portable C
+Code paths: AVX-512 intrinsics for the attention, where head_dim is a multiple of 32; portable C
 elsewhere, written as lane loops that compilers vectorize (NEON included), and built a second
 and third time inside AVX2 and AVX-512 target functions for the small ops on x86.
 */
@@ -588,13 +588,6 @@ void qm_silu_mul(const float *x, Py_ssize_t x_row, float *out, Py_ssize_t out_ro
 
 /* ---- Python entry points ---- */
 
-/* Runs stmt on the pool, with the GIL released. */
-#define WITH_POOL(stmt)                        \
-    Py_BEGIN_ALLOW_THREADS                     \
-    pthread_mutex_lock(&qm_call_lock);         \
-    stmt;                                      \
-    pthread_mutex_unlock(&qm_call_lock);       \
-    Py_END_ALLOW_THREADS
 
 typedef struct {
     Py_buffer b[6];

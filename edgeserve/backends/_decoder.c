@@ -241,6 +241,16 @@ fail:
 static float *g_scratch;
 static size_t g_scratch_cap;
 
+/* Room for `need` floats of scratch; -1 when out of memory. */
+static int grow_scratch(size_t need) {
+    if (need <= g_scratch_cap) return 0;
+    float *grown = (float *)realloc(g_scratch, need * sizeof(float));
+    if (!grown) return -1;
+    g_scratch = grown;
+    g_scratch_cap = need;
+    return 0;
+}
+
 /* Where run_layers keeps each activation of T rows in a scratch buffer, and the floats it needs. */
 typedef struct {
     size_t x;    /* normed input [T, hidden], then the gate's output [T, inter] */
@@ -404,20 +414,9 @@ PyObject *qm_py_decoder_run(PyObject *self, PyObject *const *args, Py_ssize_t na
         goto done;
     }
     const size_t need = scratch_layout(p, (size_t)T).total;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&qm_call_lock);
-    if (need > g_scratch_cap) {
-        float *grown = (float *)realloc(g_scratch, need * sizeof(float));
-        if (grown) {
-            g_scratch = grown;
-            g_scratch_cap = need;
-        }
-    }
-    err = need > g_scratch_cap ||
-          run_layers(p, (float *)h->buf, (int)T, pools, pools + n, (int)shape[1], positions, slots,
-                     (const int64_t *)bt->buf, bt_row, lens) < 0;
-    pthread_mutex_unlock(&qm_call_lock);
-    Py_END_ALLOW_THREADS
+    WITH_POOL(err = grow_scratch(need) < 0 ||
+                    run_layers(p, (float *)h->buf, (int)T, pools, pools + n, (int)shape[1], positions, slots,
+                               (const int64_t *)bt->buf, bt_row, lens) < 0);
     if (err) {
         PyErr_NoMemory();
         goto done;

@@ -17,34 +17,46 @@ holding 32 / hbits consecutive k: pair p (k0 + 2p, k0 + 2p + 1) at bits hbits * 
 high int16 halves, so one shift and mask line them up with the 4-bit pairs, then << 4. The
 groups (32 for Q5_K, 16 for Q6_K) make one high-bit word each.
 
-Kernel: each row of x is quantized per weight group to int16 (scale = max|x| / 32767, an error
-below 2^-16 of the group's largest value, far inside float32 model noise) and its float sum per
-group is kept, so a group's contribution is s * d_x * sum(q * x_q) + b * sum(x). The integer dot
-products run as vpdpwssd (AVX-512 VNNI) or vpmaddwd (AVX2), 32 / 16 multiply-adds per instruction
-against 16 / 8 for float32 FMA, and every unpacked weight vector serves up to 8 rows from
-registers. Work is (row tile, panel chunk) items run by a small pthread pool: each thread takes
-the items of its own contiguous range in order (so it streams neighbouring panels, which keeps
-the hardware prefetcher running: a single shared counter handing out alternate chunks made
-decode 30% slower), then takes what is left of the others' ranges, so a descheduled worker only
-delays the items it holds.
+Kernels: each row of x is quantized per weight group to integers and its float sum per group is
+kept, so a group's contribution is s * d_x * sum(q * x_q) + b * sum(x). Two activation widths
+(set_activation_bits; one setting for the process, like the thread count):
+  int16 (scale = max|x| / 32767, an error below 2^-16 of the group's largest value, far inside
+    float32 model noise): the integer dots run as vpdpwssd (AVX-512 VNNI) or vpmaddwd (AVX2), 32 /
+    16 multiply-adds per instruction against 16 / 8 for float32 FMA; the exact path.
+  int8 (scale = max|x| / 127, as llama.cpp quantizes activations for its q4_0 / q8_0 / q4_K dots):
+    vpmaddubsw of unsigned weights and int8 activations, then vpmaddwd with ones (AVX2, also on
+    AVX-512 CPUs), 32 multiply-adds an instruction and half the unpacking of 4-bit words.
+Every unpacked weight vector serves several rows from registers. A group's integer dot must fit
+int32: (2^bits - 1) * 32767 * group < 2^31, checked when the arguments are parsed (8-bit weights
+allow groups up to 256). Work is (row tile, panel chunk) items run by the thread pool of _pool.c:
+each thread takes the items of its own contiguous range in order (so it streams neighbouring
+panels, which keeps the hardware prefetcher running: a single shared counter handing out
+alternate chunks made decode 30% slower), then takes what is left of the others' ranges, so a
+descheduled worker only delays the items it holds. The AVX2 and AVX-512 paths need FMA and F16C
+besides (float16 scales), checked with the CPU's features before either is chosen.
 */
 #include "_qmatmul.h"
 
 #include <math.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #define PANEL 16
-#define MAX_THREADS 64
+/* Bytes ahead in a panel's weight words that the SIMD kernels ask for with a prefetch (panels are
+   consecutive, so past a panel's end it reaches the next one's): on a shared 2-core Zen 3 a decode
+   pass read 10-30% faster with 1-8 KiB than with the hardware prefetcher alone; 2 KiB is ~50 ns
+   of reading at 40 GB/s, about a DRAM latency. */
+#define PREFETCH_AHEAD 2048
+#define PREFETCH(p) _mm_prefetch((const char *)(p) + PREFETCH_AHEAD, _MM_HINT_T0)
 #define ROW_TILE 64
 
-typedef struct {
+typedef struct Task {
     const uint32_t *w;
     const void *scales, *biases;
-    const int16_t *xq;  /* [R, K] */
+    const int16_t *xq;  /* [R, K] int16 activations, or NULL */
+    const int8_t *x8;   /* [R, K] int8 activations in the weights' byte order (see quantize_rows8), or NULL */
+    const int32_t *xi;  /* [R, K / group] sum of a group's int8 activations (8-bit weights) */
     const float *xd;    /* [R, K / group] activation scale per group */
     const float *xs;    /* [R, K / group] activation sum per group */
     float *out;
@@ -54,6 +66,7 @@ typedef struct {
     const int8_t *ksc, *km;  /* K-quant group scales and mins, or NULL */
     int hbits, kq;
     int panels, chunk, row_tiles, items;
+    void (*kernel)(const struct Task *, int p0, int p1, int r0, int r1);
 } Task;
 
 typedef void (*kernel_fn)(const Task *, int p0, int p1, int r0, int r1);
@@ -79,6 +92,25 @@ static inline float f16_to_f32(uint16_t h) {
 
 static inline float load_scale(const void *a, size_t i, int f16) {
     return f16 ? f16_to_f32(((const uint16_t *)a)[i]) : ((const float *)a)[i];
+}
+
+/* facc += the group's integer dots acc scaled: s * d_x * acc + b * sum(x), per column of the panel. */
+static inline void group_update(const Task *t, int p, int g, int r, const int32_t *acc, float *facc) {
+    const int K = t->K, ng = K / t->group;
+    size_t so = ((size_t)p * ng + g) * PANEL;
+    float d = t->xd[(size_t)r * ng + g], sx = t->xs[(size_t)r * ng + g];
+    size_t dofs = ((size_t)p * (K / 256) + g * t->group / 256) * PANEL;
+    for (int c = 0; c < PANEL; c++) {
+        float s, b;
+        if (t->kq) {
+            s = load_scale(t->scales, dofs + c, t->f16) * (float)t->ksc[so + c];
+            b = load_scale(t->biases, dofs + c, t->f16) * (float)t->km[so + c];
+        } else {
+            s = load_scale(t->scales, so + c, t->f16);
+            b = load_scale(t->biases, so + c, t->f16);
+        }
+        facc[c] += (float)acc[c] * (s * d) + b * sx;
+    }
 }
 
 /* ---- portable kernel: plain loops over the 16 lanes, which gcc and clang vectorize (NEON too) ---- */
@@ -119,20 +151,54 @@ static void kernel_generic(const Task *t, int p0, int p1, int r0, int r1) {
                         }
                     }
                 }
-                size_t so = ((size_t)p * ng + g) * PANEL;
-                float d = t->xd[(size_t)r * ng + g], sx = t->xs[(size_t)r * ng + g];
-                size_t dofs = ((size_t)p * (K / 256) + g * G / 256) * PANEL;
-                for (int c = 0; c < PANEL; c++) {
-                    float s, b;
-                    if (t->kq) {
-                        s = load_scale(t->scales, dofs + c, t->f16) * (float)t->ksc[so + c];
-                        b = load_scale(t->biases, dofs + c, t->f16) * (float)t->km[so + c];
-                    } else {
-                        s = load_scale(t->scales, so + c, t->f16);
-                        b = load_scale(t->biases, so + c, t->f16);
+                group_update(t, p, g, r, acc, facc);
+            }
+            memcpy(t->out + (size_t)r * t->ldo + p * PANEL, facc, sizeof(float) * ncols);
+        }
+    }
+}
+
+/* The high bit(s) of byte b of a 4-bit word's low (odd = 0) or high (odd = 1) nibbles, at bit 0:
+   the bytes are pairs 0, 2 (low halves) then 0, 2 (high halves) of the word's k-chunk, odd
+   nibbles pairs 1, 3 (see quantize_rows8), and pair p's bits sit at hb * p of each int16 half. */
+static inline uint32_t hi_byte(uint32_t h, int hbase, int hb, int b, int odd) {
+    return (h >> (hbase + hb * (2 * (b & 1) + odd) + 16 * (b >> 1))) & ((1u << hb) - 1);
+}
+
+/* int8 activations (x8 in the weights' byte order): integer dots of unsigned weights, as the AVX2
+   kernel computes them, so both give the same integers. */
+static void kernel_generic8(const Task *t, int p0, int p1, int r0, int r1) {
+    const int K = t->K, G = t->group, ng = K / G, epw = 32 / t->bits, wpg = G / epw, hb = t->hbits;
+    for (int p = p0; p < p1; p++) {
+        const uint32_t *wp = t->w + (size_t)p * (K / epw) * PANEL;
+        const uint32_t *hp = hb ? t->hw + (size_t)p * (K * hb / 32) * PANEL : NULL;
+        int ncols = t->N - p * PANEL < PANEL ? t->N - p * PANEL : PANEL;
+        for (int r = r0; r < r1; r++) {
+            float facc[PANEL] = {0};
+            for (int g = 0; g < ng; g++) {
+                int32_t acc[PANEL] = {0};
+                for (int j = 0; j < wpg; j++) {
+                    const int jg = g * wpg + j;
+                    const uint32_t *v = wp + (size_t)jg * PANEL;
+                    const int8_t *xb = t->x8 + (size_t)r * K + (size_t)jg * epw;
+                    const uint32_t *hv = hb ? hp + (size_t)(jg * hb / 4) * PANEL : NULL;
+                    const int hbase = hb ? hb * 4 * (jg % (4 / hb)) : 0;
+                    for (int c = 0; c < PANEL; c++) {
+                        for (int b = 0; b < 4; b++) {
+                            if (t->bits == 8) {
+                                acc[c] += (int32_t)((v[c] >> (8 * b)) & 0xff) * xb[b];
+                                continue;
+                            }
+                            uint32_t lo = (v[c] >> (8 * b)) & 0xf, hi = (v[c] >> (8 * b + 4)) & 0xf;
+                            if (hv) {
+                                lo |= hi_byte(hv[c], hbase, hb, b, 0) << 4;
+                                hi |= hi_byte(hv[c], hbase, hb, b, 1) << 4;
+                            }
+                            acc[c] += (int32_t)lo * xb[b] + (int32_t)hi * xb[4 + b];
+                        }
                     }
-                    facc[c] += (float)acc[c] * (s * d) + b * sx;
                 }
+                group_update(t, p, g, r, acc, facc);
             }
             memcpy(t->out + (size_t)r * t->ldo + p * PANEL, facc, sizeof(float) * ncols);
         }
@@ -177,6 +243,7 @@ avx512_rows(const Task *t, int p, int r0, const int RB, const int HB) {
             const __m512i h = _mm512_loadu_si512(hp + (size_t)g * PANEL);
 #pragma GCC unroll 4
             for (int j = 0; j < 4 / HB; j++) {
+                PREFETCH(wg + j * PANEL);
                 __m512i v = _mm512_loadu_si512(wg + j * PANEL);
                 __m512i w0 = _mm512_ternarylogic_epi32(_mm512_and_si512(v, m4), hi_at4_512(h, HB * 4 * j), hm4, 0xf8);
                 __m512i w1 = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 4), m4),
@@ -195,6 +262,7 @@ avx512_rows(const Task *t, int p, int r0, const int RB, const int HB) {
             }
         } else if (bits == 4) {
             for (int j = 0; j < wpg; j++) {
+                PREFETCH(wg + j * PANEL);
                 __m512i v = _mm512_loadu_si512(wg + j * PANEL);
                 __m512i w0 = _mm512_and_si512(v, m4);
                 __m512i w1 = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);
@@ -210,6 +278,7 @@ avx512_rows(const Task *t, int p, int r0, const int RB, const int HB) {
             }
         } else {
             for (int j = 0; j < wpg; j++) {
+                PREFETCH(wg + j * PANEL);
                 __m512i v = _mm512_loadu_si512(wg + j * PANEL);
                 __m512i w0 = _mm512_and_si512(v, m8);
                 __m512i w1 = _mm512_and_si512(_mm512_srli_epi32(v, 8), m8);
@@ -313,6 +382,7 @@ avx2_rows(const Task *t, int p, int r0, const int RB, const int HB) {
                 const __m256i hw = _mm256_loadu_si256((const __m256i *)(hp + (size_t)g * PANEL + 8 * h));
 #pragma GCC unroll 4
                 for (int j = 0; j < 4 / HB; j++) {
+                    if (!h) PREFETCH(wg + j * PANEL);
                     __m256i v = _mm256_loadu_si256((const __m256i *)(wg + j * PANEL + 8 * h));
                     __m256i w0 = hi4_256(_mm256_and_si256(v, m4), hw, HB * 4 * j, hm4);
                     __m256i w1 = hi4_256(_mm256_and_si256(_mm256_srli_epi32(v, 4), m4), hw, HB * (4 * j + 1), hm4);
@@ -328,6 +398,7 @@ avx2_rows(const Task *t, int p, int r0, const int RB, const int HB) {
                 }
             }
         } else for (int j = 0; j < wpg; j++) {
+            PREFETCH(wg + j * PANEL);
             for (int h = 0; h < 2; h++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(wg + j * PANEL + 8 * h));
                 if (bits == 4) {
@@ -416,29 +487,157 @@ static AVX2_TARGET void kernel_avx2(const Task *t, int p0, int p1, int r0, int r
         else avx2_panel(t, p, r0, r1, 0);
     }
 }
+/* ---- AVX2 with int8 activations: vpmaddubsw of unsigned weights and int8 activations, then
+   vpmaddwd with ones into int32 (the way of llama.cpp's q4_0 x q8_0 dot). A 4-bit word gives two
+   vectors of bytes (low and high nibbles) against two broadcast words of activations; a row's
+   int16 sums take up to FL words before vpmaddwd (each vpmaddubsw lane is at most
+   2 * (2^bits - 1) * 127: 3810 for 4 bits, so 8 of them stay below 2^15). 8-bit weights are
+   flipped to signed (w - 128) and multiplied as |w - 128| by x carrying w - 128's sign (vpsignb;
+   2 * 128 * 127 fits int16), and 128 * sum(x) is added back per group. Two rows share each
+   unpacked weight vector (with 4, accumulators spilled from the 16 registers). ---- */
+
+static inline AVX2_TARGET __attribute__((always_inline)) __m256i bcast32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* The high-bit word's bits at `from` moved to bit `to` (constants once unrolled). */
+static inline AVX2_TARGET __attribute__((always_inline)) __m256i move_bits(__m256i h, const int from, const int to) {
+    return from >= to ? _mm256_srli_epi32(h, from - to) : _mm256_slli_epi32(h, to - from);
+}
+
+/* One row block's group g of 8 columns (half h of the panel): the rows' int32 dots in acc. */
+static inline AVX2_TARGET __attribute__((always_inline)) void
+avx2_group8(const Task *t, const uint32_t *wp, const uint32_t *hp, int g, int h, const int8_t *xg, __m256i *acc,
+            const int RB, const int HB, const int BITS) {
+    const int K = t->K, G = t->group, epw = 32 / BITS, wpg = G / epw;
+    const int FL = BITS == 8 ? 1 : HB == 0 ? 4 : HB == 1 ? 2 : 1;
+    const __m256i m0f = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    /* the high bits of bytes 0 and 2 (at bit 4 of each int16 half), and of bytes 1 and 3 */
+    const __m256i hmA = _mm256_set1_epi32(HB == 1 ? 0x00100010 : 0x00300030);
+    const __m256i hmB = _mm256_set1_epi32(HB == 1 ? 0x10001000 : 0x30003000);
+    const uint32_t *wg = wp + (size_t)g * wpg * PANEL + 8 * h;
+    __m256i s16[2] = {0};
+    for (int r = 0; r < RB; r++) acc[r] = _mm256_setzero_si256();
+    const __m256i hw = HB ? _mm256_loadu_si256((const __m256i *)(hp + (size_t)g * PANEL + 8 * h)) : _mm256_setzero_si256();
+    for (int j = 0; j < wpg; j++) {
+        if (!h) PREFETCH(wg + j * PANEL);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + j * PANEL));
+        if (BITS == 8) {
+            const __m256i sw = _mm256_xor_si256(v, flip), aw = _mm256_abs_epi8(sw);
+            for (int r = 0; r < RB; r++) {
+                __m256i d = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast32(xg + (size_t)r * K + 4 * j), sw));
+                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(d, ones));
+            }
+            continue;
+        }
+        __m256i lo = _mm256_and_si256(v, m0f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+        if (HB) {
+            const int hb0 = HB * 4 * j;
+            lo = _mm256_or_si256(lo, _mm256_or_si256(_mm256_and_si256(move_bits(hw, hb0, 4), hmA),
+                                                     _mm256_and_si256(move_bits(hw, hb0 + 2 * HB, 12), hmB)));
+            hi = _mm256_or_si256(hi, _mm256_or_si256(_mm256_and_si256(move_bits(hw, hb0 + HB, 4), hmA),
+                                                     _mm256_and_si256(move_bits(hw, hb0 + 3 * HB, 12), hmB)));
+        }
+        for (int r = 0; r < RB; r++) {
+            const int8_t *x = xg + (size_t)r * K + 8 * j;
+            __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast32(x)), _mm256_maddubs_epi16(hi, bcast32(x + 4)));
+            s16[r] = j % FL ? _mm256_add_epi16(s16[r], d) : d;
+            if (j % FL == FL - 1 || j == wpg - 1) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(s16[r], ones));
+        }
+    }
+}
+
+/* facc[r] += the group's dots acc[r] scaled, for half h of panel p: s * d_x * acc + b * sum(x). */
+static inline AVX2_TARGET __attribute__((always_inline)) void
+avx2_scale8(const Task *t, int p, int g, int h, int r0, const __m256i *acc, __m256 *facc, const int RB, const int BITS) {
+    const int K = t->K, G = t->group, ng = K / G;
+    size_t so = ((size_t)p * ng + g) * PANEL + 8 * h;
+    __m256 s, b;
+    if (t->kq) {
+        size_t dofs = ((size_t)p * (K / 256) + g * G / 256) * PANEL + 8 * h;
+        __m256 dd, dm;
+        if (t->f16) {
+            dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->scales + dofs)));
+            dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->biases + dofs)));
+        } else {
+            dd = _mm256_loadu_ps((const float *)t->scales + dofs);
+            dm = _mm256_loadu_ps((const float *)t->biases + dofs);
+        }
+        s = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t->ksc + so)))));
+        b = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t->km + so)))));
+    } else if (t->f16) {
+        s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->scales + so)));
+        b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->biases + so)));
+    } else {
+        s = _mm256_loadu_ps((const float *)t->scales + so);
+        b = _mm256_loadu_ps((const float *)t->biases + so);
+    }
+    for (int r = 0; r < RB; r++) {
+        size_t xi = (size_t)(r0 + r) * ng + g;
+        __m256i a = BITS == 8 ? _mm256_add_epi32(acc[r], _mm256_set1_epi32(128 * t->xi[xi])) : acc[r];
+        __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(s, _mm256_set1_ps(t->xd[xi])), facc[r]);
+        facc[r] = _mm256_fmadd_ps(b, _mm256_set1_ps(t->xs[xi]), f);
+    }
+}
+
+/* Rows r0..r0+RB-1 (RB <= 2) of panel p: a group's two halves in turn, so that a weight line's
+   second half is read while it is still in L1; 2 rows x 2 halves of accumulators stay in registers. */
+static inline AVX2_TARGET __attribute__((always_inline)) void
+avx2_rows8(const Task *t, int p, int r0, const int RB, const int HB, const int BITS) {
+    const int K = t->K, ng = K / t->group;
+    const uint32_t *wp = t->w + (size_t)p * (K / (32 / BITS)) * PANEL;
+    const uint32_t *hp = HB ? t->hw + (size_t)p * (K * HB / 32) * PANEL : NULL;
+    const int8_t *xg0 = t->x8 + (size_t)r0 * K;
+    const int ncols = t->N - p * PANEL;
+    __m256 facc[2][2];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < RB; r++) facc[h][r] = _mm256_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        __m256i acc[2][2];
+        for (int h = 0; h < 2; h++) avx2_group8(t, wp, hp, g, h, xg0 + (size_t)g * t->group, acc[h], RB, HB, BITS);
+        for (int h = 0; h < 2; h++) avx2_scale8(t, p, g, h, r0, acc[h], facc[h], RB, BITS);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < RB; r++) {
+            float *o = t->out + (size_t)(r0 + r) * t->ldo + p * PANEL + 8 * h;
+            const int n = ncols - 8 * h;
+            if (n >= 8) {
+                _mm256_storeu_ps(o, facc[h][r]);
+            } else if (n > 0) {
+                float tmp[8];
+                _mm256_storeu_ps(tmp, facc[h][r]);
+                memcpy(o, tmp, sizeof(float) * n);
+            }
+        }
+}
+
+static inline AVX2_TARGET __attribute__((always_inline)) void
+avx2_panel8(const Task *t, int p, int r0, int r1, const int HB, const int BITS) {
+    int r = r0;
+    for (; r + 2 <= r1; r += 2) avx2_rows8(t, p, r, 2, HB, BITS);
+    if (r < r1) avx2_rows8(t, p, r, 1, HB, BITS);
+}
+
+static AVX2_TARGET void kernel_avx2_8(const Task *t, int p0, int p1, int r0, int r1) {
+    for (int p = p0; p < p1; p++) {
+        if (t->bits == 8) avx2_panel8(t, p, r0, r1, 0, 8);
+        else if (t->hbits == 1) avx2_panel8(t, p, r0, r1, 1, 4);
+        else if (t->hbits == 2) avx2_panel8(t, p, r0, r1, 2, 4);
+        else avx2_panel8(t, p, r0, r1, 0, 4);
+    }
+}
 #endif /* QM_X86 */
 
-/* ---- thread pool: workers spin briefly for the next call (decode calls come µs apart), then sleep ---- */
+/* ---- the code path and activation width in use; a gemm call's work on the pool ---- */
 
-static kernel_fn g_kernel = kernel_generic;
+static kernel_fn g_kernel = kernel_generic;   /* int16 activations */
+static kernel_fn g_kernel8 = kernel_generic8; /* int8 activations */
+static int g_act_bits = 16;
 static const char *g_isa = "generic";
 static int g_isa_level = 0;
-static int g_threads = 1;                 /* threads used per call, the caller included */
-static int g_started = 0;                 /* workers created so far */
-static pthread_t g_workers[MAX_THREADS];
-pthread_mutex_t qm_call_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_mutex_t g_sleep_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t g_wake = PTHREAD_COND_INITIALIZER;
-static atomic_uint g_gen;                 /* bumped once per call */
-static atomic_int g_sleepers;
-/* One range of items per thread of a call: (generation << 42) | (first left << 21) | end. */
-static _Atomic uint64_t g_ranges[MAX_THREADS];
-static atomic_int g_nranges;              /* ranges of the current call (read by late workers too) */
-static atomic_int g_done;                 /* items finished in the current call */
-static qm_item_fn g_fn;                   /* the current call's work */
-static const void *g_ctx;
 static Task g_task;
-static int g_spin_us = 100;
 
 static void gemm_item(const void *ctx, int i) {
     const Task *t = (const Task *)ctx;
@@ -446,126 +645,10 @@ static void gemm_item(const void *ctx, int i) {
     int pc = i % cols_chunks, rt = i / cols_chunks;
     int p0 = pc * t->chunk, p1 = p0 + t->chunk < t->panels ? p0 + t->chunk : t->panels;
     int r0 = rt * ROW_TILE, r1 = r0 + ROW_TILE < t->R ? r0 + ROW_TILE : t->R;
-    g_kernel(t, p0, p1, r0, r1);
+    t->kernel(t, p0, p1, r0, r1);
 }
-
-static inline void cpu_relax(void) {
-#ifdef QM_X86
-    _mm_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-static inline double now_us(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
-}
-
-/* A call's items are cut into one contiguous range per thread. Each thread works through its own
-   range from the front, so its items (a gemm's neighbouring panels) stream through memory in order,
-   then takes items from the back of the others' ranges: a descheduled thread delays only the items
-   it is running. A claim is a CAS on the range's word that also checks the call's generation, so a
-   worker waking late for a finished call claims nothing and never reads the task fields while the
-   next call writes them. */
-#define RANGE_BITS 21
-#define RANGE_MASK ((1u << RANGE_BITS) - 1)
-#define GEN_MASK ((1u << (64 - 2 * RANGE_BITS)) - 1)
-
-static inline uint64_t range_word(unsigned gen, unsigned lo, unsigned hi) {
-    return ((uint64_t)(gen & GEN_MASK) << (2 * RANGE_BITS)) | ((uint64_t)lo << RANGE_BITS) | hi;
-}
-
-/* An item of range r (its first left, or its last), or -1 when none is left in this call. */
-static int claim(int r, unsigned gen, int front) {
-    uint64_t c = atomic_load(&g_ranges[r]);
-    for (;;) {
-        unsigned lo = (unsigned)(c >> RANGE_BITS) & RANGE_MASK, hi = (unsigned)c & RANGE_MASK;
-        if ((unsigned)(c >> (2 * RANGE_BITS)) != (gen & GEN_MASK) || lo >= hi) return -1;
-        if (atomic_compare_exchange_weak(&g_ranges[r], &c, front ? range_word(gen, lo + 1, hi)
-                                                                 : range_word(gen, lo, hi - 1)))
-            return (int)(front ? lo : hi - 1);
-    }
-}
-
-static void run_items(unsigned gen, int self) {
-    const int n = atomic_load_explicit(&g_nranges, memory_order_relaxed);
-    int i;
-    for (int k = 0; k < n; k++) {
-        const int r = (self + k) % n;
-        while ((i = claim(r, gen, k == 0)) >= 0) {
-            g_fn(g_ctx, i);
-            atomic_fetch_add(&g_done, 1);
-        }
-    }
-}
-
-static void *worker_main(void *arg) {
-    unsigned seen = atomic_load(&g_gen);
-    const int self = (int)(intptr_t)arg;
-    for (;;) {
-        unsigned gen;
-        double until = now_us() + g_spin_us;
-        int n = 0;
-        while ((gen = atomic_load(&g_gen)) == seen) {
-            cpu_relax();
-            if (++n % 256 == 0 && now_us() > until) {
-                pthread_mutex_lock(&g_sleep_lock);
-                atomic_fetch_add(&g_sleepers, 1);
-                while ((gen = atomic_load(&g_gen)) == seen) pthread_cond_wait(&g_wake, &g_sleep_lock);
-                atomic_fetch_sub(&g_sleepers, 1);
-                pthread_mutex_unlock(&g_sleep_lock);
-                break;
-            }
-        }
-        seen = gen;
-        run_items(gen, self);
-    }
-    return NULL;
-}
-
-static void start_workers(int n) {
-    while (g_started < n - 1 && g_started < MAX_THREADS) {
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        if (pthread_create(&g_workers[g_started], &attr, worker_main, (void *)(intptr_t)(g_started + 1)) != 0) {
-            pthread_attr_destroy(&attr);
-            break;
-        }
-        pthread_attr_destroy(&attr);
-        g_started++;
-    }
-}
-
-int qm_threads(void) { return g_threads < g_started + 1 ? g_threads : g_started + 1; }
 
 int qm_isa_level(void) { return g_isa_level; }
-
-void qm_parallel(int items, qm_item_fn fn, const void *ctx) {
-    int n = qm_threads() < items ? qm_threads() : items;
-    if (n <= 1 || (unsigned)items > RANGE_MASK) {
-        for (int i = 0; i < items; i++) fn(ctx, i);
-        return;
-    }
-    g_fn = fn;
-    g_ctx = ctx;
-    atomic_store_explicit(&g_nranges, n, memory_order_relaxed);
-    unsigned gen = atomic_load(&g_gen) + 1;
-    atomic_store(&g_done, 0);
-    for (int r = 0; r < n; r++)
-        atomic_store(&g_ranges[r], range_word(gen, (unsigned)((int64_t)items * r / n),
-                                              (unsigned)((int64_t)items * (r + 1) / n)));
-    atomic_store(&g_gen, gen);
-    if (atomic_load(&g_sleepers) > 0) {
-        pthread_mutex_lock(&g_sleep_lock);
-        pthread_cond_broadcast(&g_wake);
-        pthread_mutex_unlock(&g_sleep_lock);
-    }
-    run_items(gen, 0);
-    while (atomic_load(&g_done) < items) cpu_relax();
-}
 
 /* Runs g_task (already filled) on the pool; called with qm_call_lock held and the GIL released. */
 static void run_task(void) {
@@ -601,6 +684,40 @@ static void quantize_rows(const float *x, int R, int K, int G, int16_t *xq, floa
     }
 }
 
+/* int8 per weight group (scale max|x| / 127), stored in the weights' byte order: each 8 k of a
+   4-bit word as x0 x4 x1 x5 | x2 x6 x3 x7 (its low nibbles' bytes hold w0 w4 w1 w5, its high
+   nibbles' w2 w6 w3 w7), each 4 k of an 8-bit word as x0 x2 x1 x3; plus each group's float sum
+   and integer sum. */
+static void quantize_rows8(const float *x, int R, int K, int G, int bits, int8_t *xq, float *xd, float *xs,
+                           int32_t *xi) {
+    static const int src4[8] = {0, 4, 1, 5, 2, 6, 3, 7}, src8[4] = {0, 2, 1, 3};
+    const int ng = K / G, n = bits == 4 ? 8 : 4;
+    const int *src = bits == 4 ? src4 : src8;
+    for (int r = 0; r < R; r++) {
+        for (int g = 0; g < ng; g++) {
+            const float *v = x + (size_t)r * K + g * G;
+            int8_t *q = xq + (size_t)r * K + g * G;
+            float amax = 0.f, sum = 0.f;
+            for (int k = 0; k < G; k++) {
+                float a = fabsf(v[k]);
+                amax = a > amax ? a : amax;
+                sum += v[k];
+            }
+            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            int32_t isum = 0;
+            for (int k = 0; k < G; k += n)
+                for (int e = 0; e < n; e++) {
+                    int8_t qv = (int8_t)lrintf(v[k + src[e]] * inv);
+                    q[k + e] = qv;
+                    isum += qv;
+                }
+            xd[(size_t)r * ng + g] = amax / 127.f;
+            xs[(size_t)r * ng + g] = sum;
+            xi[(size_t)r * ng + g] = isum;
+        }
+    }
+}
+
 static int16_t *g_xq;
 static float *g_xd;
 static size_t g_xq_cap, g_xd_cap;
@@ -612,11 +729,11 @@ static int reserve(size_t nq, size_t nd) {
         g_xq = p;
         g_xq_cap = nq;
     }
-    if (2 * nd > g_xd_cap) {
-        float *p = (float *)realloc(g_xd, 2 * nd * sizeof(float));
+    if (3 * nd > g_xd_cap) { /* scales, float sums, integer sums */
+        float *p = (float *)realloc(g_xd, 3 * nd * sizeof(float));
         if (!p) return -1;
         g_xd = p;
-        g_xd_cap = 2 * nd;
+        g_xd_cap = 3 * nd;
     }
     return 0;
 }
@@ -653,6 +770,14 @@ int qm_matrix_parse(PyObject *const *a, int n, Py_ssize_t K, QmMatrix *m, Py_buf
         PyErr_SetString(PyExc_ValueError, "gemm: bad shapes, strides or parameters");
         return -1;
     }
+    /* a group's integer dot with int16 activations, (2^bits - 1) * 32767 * group, must fit int32 */
+    const long max_q = (1L << (kq ? 4 + hbits : bits)) - 1;
+    if ((int64_t)max_q * 32767 * group > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError,
+                     "gemm: groups of %ld weights below %ld overflow the kernels' int32 sums (at most %ld a group)",
+                     group, max_q + 1, (long)(INT32_MAX / ((int64_t)max_q * 32767)));
+        return -1;
+    }
     int panels = (int)((N + PANEL - 1) / PANEL);
     size_t need_w = (size_t)panels * K * bits / 8;
     size_t need_s = (size_t)panels * (K / (kq ? 256 : group)) * PANEL * (f16 ? 2 : 4);
@@ -675,11 +800,17 @@ int qm_gemm(const QmMatrix *m, const float *x, int R, float *out, Py_ssize_t ldo
     const int K = m->K, G = m->group;
     if (reserve((size_t)R * K, (size_t)R * (K / G)) < 0) return -1;
     if (R <= 0 || m->N <= 0) return 0;
-    float *xd = g_xd, *xs = g_xd + (size_t)R * (K / G);
-    quantize_rows(x, R, K, G, g_xq, xd, xs);
+    const size_t nd = (size_t)R * (K / G);
+    float *xd = g_xd, *xs = g_xd + nd;
+    int32_t *xi = (int32_t *)(g_xd + 2 * nd);
+    const int act8 = g_act_bits == 8;
+    if (act8) quantize_rows8(x, R, K, G, m->bits, (int8_t *)g_xq, xd, xs, xi);
+    else quantize_rows(x, R, K, G, g_xq, xd, xs);
     Task *t = &g_task;
     *t = (Task){
-        .w = m->w, .scales = m->scales, .biases = m->biases, .xq = g_xq, .xd = xd, .xs = xs, .out = out, .ldo = ldo,
+        .w = m->w, .scales = m->scales, .biases = m->biases, .xq = act8 ? NULL : g_xq,
+        .x8 = act8 ? (const int8_t *)g_xq : NULL, .xi = xi, .xd = xd, .xs = xs, .out = out, .ldo = ldo,
+        .kernel = act8 ? g_kernel8 : g_kernel,
         .R = R, .K = K, .N = m->N, .bits = m->bits, .group = G, .f16 = m->f16, .hw = m->hw, .ksc = m->ksc,
         .km = m->km, .hbits = m->hbits, .kq = m->kq, .panels = (m->N + PANEL - 1) / PANEL,
     };
@@ -717,11 +848,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_SetString(PyExc_ValueError, "gemm: bad shapes, strides or parameters");
         goto fail;
     }
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&qm_call_lock);
-    err = qm_gemm(&m, (const float *)bx->buf, (int)bx->shape[0], (float *)bo->buf, bo->strides[0] / 4);
-    pthread_mutex_unlock(&qm_call_lock);
-    Py_END_ALLOW_THREADS
+    WITH_POOL(err = qm_gemm(&m, (const float *)bx->buf, (int)bx->shape[0], (float *)bo->buf, bo->strides[0] / 4));
     if (err) {
         PyErr_NoMemory();
         goto fail;
@@ -738,13 +865,7 @@ static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
     long n = PyLong_AsLong(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
     if (n < 1) n = 1;
-    if (n > MAX_THREADS) n = MAX_THREADS;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&qm_call_lock);
-    start_workers((int)n);
-    g_threads = (int)n;
-    pthread_mutex_unlock(&qm_call_lock);
-    Py_END_ALLOW_THREADS
+    WITH_POOL(qm_pool_set_threads((int)n));
     return PyLong_FromLong(qm_threads());
 }
 
@@ -754,11 +875,23 @@ static PyObject *py_get_num_threads(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(qm_threads());
 }
 
+static PyObject *py_set_activation_bits(PyObject *self, PyObject *arg) {
+    (void)self;
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n != 8 && n != 16) {
+        PyErr_Format(PyExc_ValueError, "activation integers are 8 or 16 bits, not %ld", n);
+        return NULL;
+    }
+    WITH_POOL(g_act_bits = (int)n);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_set_spin_us(PyObject *self, PyObject *arg) {
     (void)self;
     long n = PyLong_AsLong(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
-    g_spin_us = n < 0 ? 0 : (int)n;
+    qm_pool_set_spin_us(n < 0 ? 0 : (int)n);
     Py_RETURN_NONE;
 }
 
@@ -766,16 +899,20 @@ static int isa_supported(const char *name) {
     if (!strcmp(name, "generic")) return 1;
 #ifdef QM_X86
     __builtin_cpu_init();
-    if (!strcmp(name, "avx2")) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    /* both paths convert float16 scales with F16C and use FMA */
+    const int base = __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (!strcmp(name, "avx2")) return base && __builtin_cpu_supports("avx2");
     if (!strcmp(name, "avx512vnni"))
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+        return base && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") &&
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512vnni");
 #endif
     return 0;
 }
 
 static void select_isa(const char *name) {
 #ifdef QM_X86
+    if (strcmp(name, "generic")) g_kernel8 = kernel_avx2_8; /* AVX-512 CPUs run AVX2 too */
     if (!strcmp(name, "avx512vnni")) {
         g_kernel = kernel_avx512;
         g_isa = "avx512vnni";
@@ -790,6 +927,7 @@ static void select_isa(const char *name) {
     }
 #endif
     g_kernel = kernel_generic;
+    g_kernel8 = kernel_generic8;
     g_isa = "generic";
     g_isa_level = 0;
 }
@@ -808,9 +946,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
             return NULL;
         }
     }
-    pthread_mutex_lock(&qm_call_lock);
-    select_isa(name);
-    pthread_mutex_unlock(&qm_call_lock);
+    WITH_POOL(select_isa(name));
     return PyUnicode_FromString(g_isa);
 }
 
@@ -824,17 +960,18 @@ static PyMethodDef methods[] = {
     {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL, "gemm(x, w, scales, biases, out, N, bits, group, f16[, hi, hbits, sc, m])"},
     {"set_num_threads", py_set_num_threads, METH_O, "Threads per call, the caller's included; returns the count in use."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads per call."},
+    {"set_activation_bits", py_set_activation_bits, METH_O, "Quantize activations to 8- or 16-bit integers per group."},
     {"set_spin_us", py_set_spin_us, METH_O, "How long idle workers spin before sleeping, in microseconds."},
     {"attention", (PyCFunction)(void (*)(void))qm_py_attention, METH_FASTCALL,
      "attention(q, k_cache, v_cache, block_tables, context_lens, out, scale[, window]) -> whether it ran"},
     {"rms_norm", (PyCFunction)(void (*)(void))qm_py_rms_norm, METH_FASTCALL, "rms_norm(x, w, out, eps) -> whether it ran"},
     {"rope", (PyCFunction)(void (*)(void))qm_py_rope, METH_FASTCALL, "rope(x, cos, sin, out) -> whether it ran"},
-    {"silu_mul", (PyCFunction)(void (*)(void))qm_py_silu_mul, METH_FASTCALL, "silu_mul(gate_up, out) -> whether it ran"},
+    {"silu_mul", (PyCFunction)(void (*)(void))qm_py_silu_mul, METH_FASTCALL, "silu_mul(gate_up, out, gelu=False) -> whether it ran (gelu: the GELU-tanh gate instead of SiLU)"},
     {"write_kv", (PyCFunction)(void (*)(void))qm_py_write_kv, METH_FASTCALL, "write_kv(cache, values, slots) -> whether it ran"},
     {"decoder_plan", (PyCFunction)(void (*)(void))qm_py_decoder_plan, METH_FASTCALL,
-     "decoder_plan(hidden, n_heads, n_kv_heads, head_dim, intermediate, eps, layers) -> plan"},
+     "decoder_plan(hidden, n_heads, n_kv_heads, head_dim, intermediate, eps, layers, ropes) -> plan"},
     {"decoder_run", (PyCFunction)(void (*)(void))qm_py_decoder_run, METH_FASTCALL,
-     "decoder_run(plan, h, k_pools, v_pools, cos, sin, slots, block_tables, context_lens): every layer, h in place"},
+     "decoder_run(plan, h, k_pools, v_pools, positions, slots, block_tables, context_lens): every layer, h in place"},
     {"set_isa", py_set_isa, METH_O, "Pick a code path by name, or None for the best one; returns its name."},
     {"isa", py_isa, METH_NOARGS, "The code path in use."},
     {NULL, NULL, 0, NULL},

@@ -103,10 +103,12 @@ class NumpyBackend:
     kv_dtype = np.float32
     kv_dtype_bytes = np.dtype(kv_dtype).itemsize
 
-    def __init__(self, weights: str = "float32", threads: int | None = None):
+    def __init__(self, weights: str = "float32", threads: int | None = None, activations: str | None = None):
         _check_mode(weights)
         self.weights = weights
         self.threads = qmatmul.set_num_threads(threads)
+        if activations is not None:  # one setting for the process, like the threads
+            qmatmul.set_activations(activations)
         # quantized mode calls BLAS only for float matrices a quantized model may keep (rare)
         self.blas_threads = 1 if weights == "quantized" else self.threads
         compile_now()  # at start-up, not inside the first request's timings
@@ -116,7 +118,8 @@ class NumpyBackend:
     def describe(self) -> str:
         if self.weights == "quantized":
             threads = f"{self.threads} thread{'s' if self.threads > 1 else ''}"
-            return f"numpy (quantized weights, {qmatmul.kernel_name()} kernels, {threads})"
+            return (f"numpy (quantized weights, {qmatmul.kernel_name()} kernels, {qmatmul.get_activations()} "
+                    f"activations, {threads})")
         return "numpy (float32 weights)"
 
     def vector(self, w: Any) -> np.ndarray:

@@ -8,16 +8,22 @@ low and high int16 halves of each 32-bit lane (see `_NIBBLE_ORDER`). Scales and 
 [panels, K / group, 16] in float16 (float32 where a value has no exact float16). Resident bytes
 equal the quantized storage, plus at most 15 padding columns per matrix.
 
-Kernel. Each row of x is quantized per weight group to int16 (scale max|x| / 32767: an error
-below 2^-16 of the group's largest value, far below the weights' own rounding), with its float
-sum kept, so that a group contributes s * d_x * sum(q * x_q) + b * sum(x). The C extension
-`_qmatmul` runs the integer dot products as AVX-512 VNNI `vpdpwssd` or AVX2 `vpmaddwd` (chosen
-at run time by CPU features; plain C elsewhere, e.g. NEON through auto-vectorization), each
-unpacked weight vector serving up to 8 rows from registers, on its own pthread pool over
-(row tile, column panel) items. Without the extension, or with EDGESERVE_QMATMUL=numba, a numba
-kernel runs on the same layout with float32 activations (a panel dequantized to float32, then
-vectorized dot products): exact to float32 rounding, but several times slower than the C
-kernels, a fallback for correctness rather than speed.
+Kernel. Each row of x is quantized per weight group to integers, with its float sum kept, so that
+a group contributes s * d_x * sum(q * x_q) + b * sum(x). `set_activations` picks the integers (or
+the EDGESERVE_ACTIVATIONS environment variable, or --activations): 'int16' (scale max|x| / 32767:
+an error below 2^-16 of the group's largest value, far below the weights' own rounding; the exact
+path) or 'int8' (scale max|x| / 127, as llama.cpp quantizes activations; half the instructions per
+weight). int16 is the default: int8 raised perplexity by 1.0% (SmolLM2-135M Q4_1, 19.96 -> 20.16)
+and 1.2% (Gemma 3 270M Q4_K_M, 18.13 -> 18.35 on half the text), and a decode step, which reads
+memory, ran no faster with it on a 2-core AVX2 machine; only compute-bound batches gained (~10% at
+64-256 rows). The C extension `_qmatmul` runs the integer dot products as AVX-512 VNNI `vpdpwssd`
+or AVX2 `vpmaddwd` for int16 and AVX2 `vpmaddubsw` for int8 (chosen at run time by CPU features;
+plain C elsewhere, e.g. NEON through auto-vectorization), each unpacked weight vector serving
+several rows from registers, on its own pthread pool over (row tile, column panel) items. Without
+the extension, or with EDGESERVE_QMATMUL=numba, a numba kernel runs on the same layout with
+float32 activations (a panel dequantized to float32, then vectorized dot products): exact to
+float32 rounding, but several times slower than the C kernels, a fallback for correctness rather
+than speed.
 
 GGUF K-quants (Q4_K, Q5_K, Q6_K) keep their two-level scales: 4-bit panels as above, a second
 plane of uint32 words [K * hbits / 32, 16] per panel with the 5th (Q5_K) or 5th and 6th (Q6_K)
@@ -37,6 +43,7 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
+from edgeserve.backends import ACTIVATION_MODES, DEFAULT_ACTIVATIONS
 from edgeserve.backends.lazy_jit import njit, prange
 from edgeserve.quant.affine import QuantizedTensor, unpack
 from edgeserve.quant.kquants import Q6_K_OFFSET, SUPER, KQuantTensor
@@ -48,6 +55,10 @@ except ImportError:
     _ext = None
 
 PANEL = 16
+# Bumped whenever `prepare`'s output changes (word order, planes, scale layout): a cache of packed
+# panels keyed on it is never read back by kernels that expect another layout.
+PANEL_LAYOUT_VERSION = 1
+_activations = DEFAULT_ACTIVATIONS
 # Element (within a word's k-chunk) stored at each nibble / byte of the word: pairs of adjacent k
 # land in the two int16 halves of the lane after one shift and mask.
 _NIBBLE_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
@@ -199,6 +210,21 @@ def set_num_threads(n: int | None = None) -> int:
 
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     return numba.get_num_threads()
+
+
+def set_activations(mode: str) -> None:
+    """Quantize the C kernels' activations to 'int8' or 'int16' integers per weight group (see the module notes)."""
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, got {mode!r}")
+    global _activations
+    if _ext is not None:
+        _ext.set_activation_bits(8 if mode == "int8" else 16)
+    _activations = mode
+
+
+def get_activations() -> str:
+    """The C kernels' activation integers: 'int8' or 'int16'."""
+    return _activations
 
 
 def compiled() -> bool:
@@ -440,3 +466,4 @@ def _kgemm(x, packed, hi, hbits, ksc, km, d, dmin, out, n, group, shifts, hi_shi
 
 _IMPL = "c" if _ext is not None and os.environ.get("EDGESERVE_QMATMUL", "").lower() != "numba" else "numba"
 set_num_threads()
+set_activations(os.environ.get("EDGESERVE_ACTIVATIONS", DEFAULT_ACTIVATIONS))

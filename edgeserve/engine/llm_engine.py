@@ -88,7 +88,8 @@ class LLMEngine:
         self.config = config
         self.model = model
         self.tokenizer = model.tokenizer
-        self.backend = get_backend(config.backend, weights=config.weights, model=model, threads=config.threads)
+        self.backend = get_backend(config.backend, weights=config.weights, model=model, threads=config.threads,
+                                   activations=config.activations)
         self.pool_size = size_pool(model.args, config.kv_budget_bytes(), config.block_size,
                                    self.backend.kv_dtype_bytes)
         self.runner = ModelRunner(model, self.backend, self.pool_size)

@@ -1,0 +1,160 @@
+"""The int8-activation kernels against a NumPy reference of the same arithmetic, and the kernels' limits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+from edgeserve.backends import qmatmul as qm
+from edgeserve.backends.numpy_backend import NumpyBackend
+from edgeserve.quant.affine import QuantizedTensor, quantize, unpack
+from edgeserve.quant.kquants import KQuantTensor
+from test_kquants import random_kquant
+from test_qmatmul import ISAS
+
+T = gguf.GGMLQuantizationType
+pytestmark = pytest.mark.skipif(qm._ext is None, reason="C extension not built")
+# row counts: one, the register tiles' edges (4 rows on AVX2), past one row tile of 64
+ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 63, 64, 65, 67)
+
+
+@pytest.fixture(params=ISAS)
+def int8_isa(request):
+    """Each C code path with int8 activations, restored to the defaults afterwards."""
+    qm._ext.set_isa(request.param)
+    qm.set_activations("int8")
+    yield request.param
+    qm.set_activations(qm.DEFAULT_ACTIVATIONS)
+    qm._ext.set_isa(None)
+
+
+def _integer_form(w: QuantizedTensor | KQuantTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Unsigned integers q [N, K] and float32 scale, bias [N, K / group]: w = scale * q + bias per group."""
+    if isinstance(w, QuantizedTensor):
+        q = unpack(w.weight, w.bits)
+        return q, w.scales.astype(np.float32), w.biases.astype(np.float32), w.group_size
+    p = w.planes()
+    per_super = 256 // w.group_size
+    scale = np.repeat(p.d, per_super, axis=1) * p.sc.astype(np.float32)
+    bias = np.repeat(p.dmin, per_super, axis=1) * (p.sc if p.m is None else p.m).astype(np.float32)
+    return p.q, scale, bias, w.group_size
+
+
+def int8_reference(x: np.ndarray, w: QuantizedTensor | KQuantTensor) -> tuple[np.ndarray, np.ndarray]:
+    """x @ W.T as the int8 kernels compute it, and a bound on its float rounding.
+
+    Each group of x becomes int8 q_x = rint(x * (127 / max|x|)) in float32, with d_x = max|x| / 127;
+    a group adds scale * d_x * sum(q * q_x) (an exact integer dot) + bias * sum(x)."""
+    q, scale, bias, group = _integer_form(w)
+    r, k = x.shape
+    xg = x.reshape(r, -1, group)
+    amax = np.abs(xg).max(axis=2)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    xq = np.rint(xg * inv[:, :, None]).astype(np.int64)
+    dots = np.einsum("rgk,ngk->rng", xq, q.reshape(len(q), -1, group).astype(np.int64))
+    dx = (amax / np.float32(127)).astype(np.float64)
+    terms = scale.astype(np.float64)[None] * dx[:, None] * dots + bias.astype(np.float64)[None] * \
+        xg.sum(axis=2, dtype=np.float64)[:, None]
+    # float32 rounding: a few roundings per group's term, the running sum over groups, and sum(x)
+    # summed in float32 over the group
+    eps = 2.0**-23
+    abs_sums = np.abs(xg).sum(axis=2, dtype=np.float64)
+    bias_sums = abs_sums @ np.abs(bias).T.astype(np.float64)
+    slack = eps * ((terms.shape[2] + 3) * np.abs(terms).sum(axis=2) + group * bias_sums)
+    return terms.sum(axis=2), slack
+
+
+def _check(x: np.ndarray, w: QuantizedTensor | KQuantTensor, m: qm.QMatrix) -> None:
+    got = qm.qmatmul(x, m)
+    ref, slack = int8_reference(x, w)
+    bad = np.abs(got - ref) > slack
+    assert not bad.any(), f"{bad.sum()} of {bad.size} outputs off, worst {np.abs(got - ref).max():.3g}"
+
+
+def _affine(rng: np.random.Generator, n: int, k: int, bits: int, group: int, f16: bool) -> QuantizedTensor:
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    return quantize(w.astype(np.float16) if f16 else w, group, bits)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("f16", [True, False])
+def test_affine_groups(int8_isa, bits, group, f16):
+    rng = np.random.default_rng(bits * 1000 + group)
+    # 8-bit weights span 0..255 (a Q8_0 block is q + 128): the signed-flip path must hold them all
+    w = _affine(rng, 37, 4 * group, bits, group, f16)
+    assert bits == 4 or int(unpack(w.weight, 8).max()) > 200
+    m = qm.prepare([w])
+    for rows in ROWS:
+        _check(rng.standard_normal((rows, w.shape[1])).astype(np.float32), w, m)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K])
+def test_k_quants(int8_isa, qtype):
+    rng = np.random.default_rng(int(qtype))
+    w = random_kquant(rng, qtype, 37, 512)
+    m = qm.prepare([w])
+    for rows in ROWS:
+        _check(rng.standard_normal((rows, 512)).astype(np.float32), w, m)
+
+
+@pytest.mark.parametrize("n, k, group", [(1, 32, 32), (15, 96, 32), (17, 160, 32), (33, 64, 64), (200, 96, 32)])
+def test_ragged_shapes(int8_isa, n, k, group):
+    """N not a multiple of the panel's 16 columns, K not a multiple of any tile, zero rows of x."""
+    rng = np.random.default_rng(n + k)
+    for bits in (4, 8):
+        w = _affine(rng, n, k, bits, group, True)
+        m = qm.prepare([w])
+        for rows in (1, 3, 6, 67):
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            x[0, :group] = 0  # a group of zeros: scale 0, no division
+            _check(x, w, m)
+
+
+def test_int8_close_to_float(int8_isa):
+    """The int8 path stays within its rounding of x @ W.T: each x moves by at most max|x| / 254 in its group."""
+    rng = np.random.default_rng(3)
+    w = _affine(rng, 64, 256, 4, 32, True)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    ref = x @ w.dequantize().T
+    step = np.repeat(np.abs(x).reshape(5, -1, 32).max(axis=2), 32, axis=1) / 254
+    tol = step @ np.abs(w.dequantize()).T + 1e-5 * (np.abs(x) @ np.abs(w.dequantize()).T)
+    assert (np.abs(qm.qmatmul(x, qm.prepare([w])) - ref) <= tol).all()
+
+
+def test_backend_and_environment_choose_the_mode():
+    try:
+        backend = NumpyBackend(weights="quantized", activations="int8")
+        assert qm.get_activations() == "int8" and "int8 activations" in backend.describe()
+    finally:
+        qm.set_activations(qm.DEFAULT_ACTIVATIONS)
+    env = {**os.environ, "EDGESERVE_ACTIVATIONS": "int8"}
+    code = "from edgeserve.backends import qmatmul; print(qmatmul.get_activations())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "int8"
+
+
+def test_activation_mode_is_checked():
+    with pytest.raises(ValueError, match="activations"):
+        qm.set_activations("int4")
+    with pytest.raises(ValueError, match="8 or 16"):
+        qm._ext.set_activation_bits(12)
+
+
+@pytest.mark.parametrize("bits, group, fits", [(8, 256, True), (8, 512, False), (4, 4096, True), (4, 8192, False)])
+def test_int32_accumulator_limit_is_checked_in_c(bits, group, fits):
+    """int16 activations: a group's dot must fit int32, (2^bits - 1) * 32767 * group < 2^31."""
+    n, k = 16, group
+    packed, scales, biases = (np.zeros((1, k * bits // 32, 16), np.uint32), np.zeros((1, 1, 16), np.float16),
+                              np.zeros((1, 1, 16), np.float16))
+    x, out = np.ones((1, k), np.float32), np.empty((1, n), np.float32)
+    if fits:
+        qm._ext.gemm(x, packed, scales, biases, out, n, bits, group, True)
+    else:
+        with pytest.raises(ValueError, match="int32"):
+            qm._ext.gemm(x, packed, scales, biases, out, n, bits, group, True)
