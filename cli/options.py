@@ -31,9 +31,11 @@ class BackendChoice(click.Choice):
         return value
 
 
-def model_options(run: Callable) -> Callable:
+def model_options(run: Callable | None = None, *, ctx_default: str = "the model's") -> Callable:
     """--model, and the engine's --backend, --weights, --kv-memory, --threads and --ctx-size, which reach
-    the command as one EngineConfig argument `config`."""
+    the command as one EngineConfig argument `config`; ctx_default: what --help says -c defaults to."""
+    if run is None:
+        return functools.partial(model_options, ctx_default=ctx_default)
 
     @functools.wraps(run)
     def command(*args: object, backend: str, weights: str, kv_memory: str, threads: int | None,
@@ -43,7 +45,7 @@ def model_options(run: Callable) -> Callable:
         return run(*args, config=config, **kwargs)
 
     f = click.option("--ctx-size", "-c", type=click.IntRange(min=16), default=None,
-                     help="Context length in tokens  [default: the model's]")(command)
+                     help=f"Context length in tokens  [default: {ctx_default}]")(command)
     f = click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
                      help="CPU threads for the NumPy backend's kernels  [default: every core]")(f)
     f = click.option("--kv-memory", default=DEFAULT_KV_MEMORY, show_default=True,
@@ -113,6 +115,7 @@ def build_engine(model: str, config: EngineConfig, quiet: bool = False) -> LLMEn
     engine = LLMEngine(loaded, config)
     if not quiet:
         print(f"{loaded.source.name} on {engine.backend.describe()}; {engine.pool_size.describe()}", file=sys.stderr)
-        if (note := engine.describe_limits()) is not None:
+        # the KV pool capping the model's own context is the expected case; a --ctx-size it cannot hold is news
+        if config.max_model_len is not None and (note := engine.describe_limits()) is not None:
             print(note, file=sys.stderr)
     return engine

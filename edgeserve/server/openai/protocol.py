@@ -7,6 +7,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from edgeserve.sampling_params import SamplingDefaults, SamplingParams
 from edgeserve.server.errors import APIError
@@ -121,8 +122,16 @@ def _or(value: Any, default: Any) -> Any:
 
 
 class ContentPart(_Body):
-    type: Literal["text"]  # the model reads text only
+    type: Text
     text: Text
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, kind: str) -> str:
+        if kind != "text":
+            raise PydanticCustomError("unsupported_content", "this model reads text only: a content part of type "
+                                      "{kind} cannot be read", {"kind": repr(kind)})
+        return kind
 
 
 class FunctionCall(_Body):
