@@ -75,8 +75,16 @@ class SamplingDefaults:
         return cls(merged, source)
 
     def apply(self, settings: dict[str, Any]) -> dict[str, Any]:
-        """These defaults under the settings a user or request gave (None: not given)."""
-        return {**self.settings, **{k: v for k, v in settings.items() if v is not None}}
+        """These defaults under the settings a user or request gave (None: not given).
+
+        A temperature of 0 given without a repetition penalty is plain greedy decoding, the likeliest token
+        each step, as tests and scripts expect of it: the default penalty is left out then.
+        """
+        given = {k: v for k, v in settings.items() if v is not None}
+        merged = {**self.settings, **given}
+        if given.get("temperature", 1.0) < GREEDY_BELOW and "repetition_penalty" not in given:
+            merged["repetition_penalty"] = 1.0
+        return merged
 
 
 @dataclass

@@ -134,7 +134,7 @@ def chat(model_path, tmp_path_factory):
     child = pexpect.spawn(
         sys.executable,
         ["-c", "from edgeserve.cli.main import cli; cli()", "chat", "--model", str(model_path),
-         "--backend", "numpy", "--kv-memory", "64MiB", "--temperature", "0", "--repeat-penalty", "1", "--max-tokens", "16",
+         "--backend", "numpy", "--kv-memory", "64MiB", "--temperature", "0", "--max-tokens", "16",
          "--ctx-size", str(CONTEXT)],
         env=env, encoding="utf-8", timeout=TIMEOUT, dimensions=(50, 250))
     child.expect_exact(PROMPT)

@@ -62,6 +62,13 @@ def test_what_the_user_gives_wins_over_the_model(folder):
     assert defaults.apply({"top_p": None})["top_p"] == FALLBACK_SAMPLING["top_p"]
 
 
+def test_temperature_0_alone_is_plain_greedy():
+    defaults = SamplingDefaults()
+    assert defaults.apply({"temperature": 0.0})["repetition_penalty"] == 1.0
+    assert defaults.apply({"temperature": 0.0, "repetition_penalty": 1.3})["repetition_penalty"] == 1.3
+    assert defaults.apply({})["repetition_penalty"] == FALLBACK_SAMPLING["repetition_penalty"]
+
+
 def test_the_server_samples_with_the_model_defaults_where_the_request_is_silent():
     defaults = SamplingDefaults.from_generation_config({"temperature": 0.2, "repetition_penalty": 1.05})
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
