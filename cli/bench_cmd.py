@@ -26,12 +26,21 @@ SWEEP = "1,4,8,16,32,64"
 WORDS = {"ttft": "TTFT", "tpot": "time per output token", "kv": "KV", "wall": "wall time", "over": "/"}
 
 
+# speeds whose name alone does not say what they measure
+SPEEDS = {"output_tokens_per_s": "output tokens/s (over the wall time)",
+          "decode_tokens_per_s": "decode tokens/s (after the first token)",
+          "prefill_tokens_per_s": "prefill tokens/s (prompt over TTFT)",
+          "decode_empty_context_tokens_per_s": "decode tokens/s from an empty context"}
+
+
 def figure_label(key: str, value: object) -> tuple[str, str]:
     """A figure's name and value as a table shows them: seconds in ms, fractions in %, per_s as /s."""
 
     def words(name: str) -> str:
         return " ".join(WORDS.get(w, w) for w in name.split("_"))
 
+    if key in SPEEDS:
+        return SPEEDS[key], str(value)
     if key.endswith("_per_s"):
         return f"{words(key.removesuffix('_per_s'))}/s", str(value)
     if key.endswith("_s") and isinstance(value, (int, float)):
@@ -42,12 +51,12 @@ def figure_label(key: str, value: object) -> tuple[str, str]:
 
 
 def _print_table(title: str, runs: list[dict]) -> None:
-    """One column per run, one row per figure."""
+    """One column per run, headed by its name, one row per figure."""
     table = Table(title=title)
-    table.add_column("")
-    for _ in runs:
-        table.add_column(justify="right")
-    for key in dict.fromkeys(k for run in runs for k in run):
+    table.add_column("figure")
+    for run in runs:
+        table.add_column(str(run.get("name", "")), justify="right")
+    for key in dict.fromkeys(k for run in runs for k in run if k != "name"):
         cells = [figure_label(key, run[key]) if key in run else (None, "") for run in runs]
         label = next(name for name, _ in cells if name is not None)
         table.add_row(label, *(text for _, text in cells))

@@ -16,7 +16,7 @@ from rich.markup import escape
 
 from edgeserve.cli.chat_clients import ChatClient, EngineClient, ReplyChunk, ReplyStats, stats_report
 from edgeserve.cli.chat_turn import Turn
-from edgeserve.cli.feedback import PromptSpinner, stderr_console
+from edgeserve.cli.feedback import PromptSpinner, stderr_console, stop_note
 from edgeserve.cli.markdown_stream import MarkdownStream
 from edgeserve.cli.options import build_engine, model_options, sampling_options
 from edgeserve.config import EngineConfig
@@ -167,8 +167,8 @@ class ChatRepl:
         if stats is not None:
             self.last = stats
             note = stats.summary()
-            if stats.finish_reason == "length":
-                note += " · stopped at max_tokens"
+            if (stop := stop_note(stats.finish_reason, stats.output_tokens, turn.params.max_tokens)) is not None:
+                note += f" · {stop}"
             self.note(note)
 
     def _print(self, chunk: ReplyChunk) -> None:
@@ -196,13 +196,13 @@ class ChatRepl:
 
 @click.command()
 @model_options
-@sampling_options(temperature=0.7, max_tokens=1024)
+@sampling_options(max_tokens=1024)
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--plain", is_flag=True, help="Print answers as plain text, not rendered as Markdown.")
 def chat(model: str, config: EngineConfig, settings: dict, system: str | None, plain: bool) -> None:
     """Talk with a model in the terminal; the answer streams as it is generated."""
-    conversation = Conversation(system=system, settings=settings)
     engine = build_engine(model, config)
+    conversation = Conversation(system=system, settings=engine.model.sampling_defaults.apply(settings))
     from edgeserve.engine.async_engine import AsyncEngine  # imports the engine: after build_engine's note
 
     aengine = AsyncEngine(engine)

@@ -23,6 +23,7 @@ SETTINGS: dict[str, type] = {
     "top_k": int,
     "min_p": float,
     "repetition_penalty": float,
+    "repeat_last_n": int,
     "max_tokens": int,
     "seed": int,
 }

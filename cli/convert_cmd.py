@@ -17,12 +17,17 @@ from edgeserve.system import usable_cores
 from edgeserve.units import format_size
 
 if TYPE_CHECKING:
+    from edgeserve.models.convert import ConversionResult
     from edgeserve.models.loader import LoadedModel
 
 PERPLEXITY_WINDOW = 512  # tokens, where --ctx-size is not given
-# Prefill work one CPU core does per second, in parameters x tokens (a 135M model at ~300 tokens/s
-# a core): enough for an estimate that says seconds or minutes or hours.
-CPU_PARAM_TOKENS_PER_CORE_S = 4e10
+# Perplexity work one CPU core does per second, in parameters x tokens scored: enough for an estimate
+# that says seconds or minutes or hours. 4e10 promised 75 s for --report on Gemma 3 270M Q4_K_M, which
+# took 5 minutes: every scored token also runs the full output head and a log-softmax over the vocabulary.
+CPU_PARAM_TOKENS_PER_CORE_S = 1e10
+# A matrix error (||W - W'|| / ||W||) from which a conversion is worth a warning: 4-bit groups of a float
+# model land near 10%; float16 and the source's own groups kept stay far below.
+NOTICEABLE_ERROR = 0.01
 
 
 def source_layer_bits(model: LoadedModel) -> int | None:
@@ -43,6 +48,41 @@ def source_layer_bits(model: LoadedModel) -> int | None:
         elif np.ndim(w) == 2:
             return None
     return max(widths, default=None)
+
+
+def requantized(model: LoadedModel, result: ConversionResult) -> list[str]:
+    """The matrices whose quantized source groups were replaced by new ones: their errors add to the source's."""
+    from edgeserve.quant.affine import QuantizedTensor
+    from edgeserve.quant.kquants import KQuantTensor
+
+    return [p.name for p in result.plans
+            if p.action == "quantize" and isinstance(model.weights.get(p.name), (QuantizedTensor, KQuantTensor))]
+
+
+def quality_estimate(model: LoadedModel, result: ConversionResult) -> str | None:
+    """One line on what the conversion cost in weight error, a warning where it is noticeable; None if nothing."""
+    errors = result.relative_errors
+    if not errors:
+        return None
+    worst = max(errors, key=errors.__getitem__)
+    mean = sum(errors.values()) / len(errors)
+    figures = (f"matrices changed by {100 * mean:.1f}% on average, {100 * errors[worst]:.1f}% at most "
+               f"({worst.removesuffix('.weight')})")
+    if errors[worst] < NOTICEABLE_ERROR:
+        return f"quality: {figures}; no loss to speak of"
+    again = requantized(model, result)
+    cause = (f"re-quantizing {len(again)} already quantized matrices adds new rounding to the source's, "
+             f"which costs more than quantizing the original weights once" if again else "quantizing rounds weights")
+    return f"warning: {figures}: {cause}; expect higher perplexity (--report measures it)"
+
+
+def conversion_summary(model: LoadedModel, result: ConversionResult) -> str:
+    """e.g. '4-bit, group 32, 3 matrices wider; 4.85 bits per weight, 81.2 MiB': not every matrix listed."""
+    main = "float16" if result.group_size is None else f"{result.bits}-bit, group {result.group_size}"
+    wider = sum(p.is_matrix and (p.bits, p.group_size) != (result.bits, result.group_size) for p in result.plans)
+    bits_per_weight = 8 * result.total_bytes / max(model.num_parameters, 1)
+    return (f"{main}{f', {wider} matrices wider' if wider else ''}; {bits_per_weight:.2f} bits per weight, "
+            f"{format_size(result.total_bytes)}")
 
 
 def report_notice(model: LoadedModel) -> str:
@@ -70,7 +110,8 @@ def report_notice(model: LoadedModel) -> str:
               help="Width of the embeddings and output head (never below --bits).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--report", is_flag=True,
-              help="Then print each layer's weight error and the perplexity of source and result.")
+              help="Then print each layer's weight error and the perplexity of source and result "
+                   "(without it, one line estimates the loss from the weight errors).")
 def convert_cmd(source: str, out: Path, bits: str, group_size: str | None, keep_embeddings: str,
                 force: bool, report: bool) -> None:
     """Convert SOURCE (GGUF file, model folder, catalog name or hub id) into an MLX-format folder.
@@ -94,13 +135,16 @@ def convert_cmd(source: str, out: Path, bits: str, group_size: str | None, keep_
         click.echo(report_notice(model), err=True)
     result = convert(
         model, out, bits=int(bits), group_size=int(group_size) if group_size else None,
-        keep_embeddings=int(keep_embeddings), force=force, measure_errors=report,
+        keep_embeddings=int(keep_embeddings), force=force, measure_errors=True,
     )
+    summary = conversion_summary(model, result)
     try:
-        record_conversion(out, source, result.describe())
+        record_conversion(out, source, summary)
     except OSError as exc:  # the folder is fine; only `edgeserve models` will not list it
         click.echo(f"note: could not record {out} for `edgeserve models`: {exc}", err=True)
-    click.echo(f"wrote {out} ({result.describe()}; {format_size(result.total_bytes)} of weights)")
+    click.echo(f"wrote {out} ({summary})")
+    if (estimate := quality_estimate(model, result)) is not None:
+        click.echo(estimate, err=True)
     if report:
         click.echo(quality_report(model, result))
 
@@ -111,7 +155,7 @@ def eval_group() -> None:
 
 
 @eval_group.command("perplexity")
-@model_options
+@model_options(ctx_default=str(PERPLEXITY_WINDOW))
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help=f"UTF-8 text file  [default: {SHIPPED_TEXT_TITLE}]")
 def perplexity_cmd(model: str, config: EngineConfig, text_path: Path | None) -> None:

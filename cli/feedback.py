@@ -20,6 +20,13 @@ def prompt_note(prompt_tokens: int | None) -> str:
     return f"processing prompt{size}…"
 
 
+def stop_note(finish_reason: str | None, output_tokens: int, max_tokens: int) -> str | None:
+    """Why an answer ended early, when it did: at max_tokens or at the context limit; None when it ended itself."""
+    if finish_reason != "length":
+        return None
+    return "stopped at max_tokens" if output_tokens >= max_tokens else "stopped at the context limit"
+
+
 class PromptSpinner:
     """A spinner from sending a prompt until its first token (on a terminal only); stop() is idempotent."""
 

@@ -13,7 +13,7 @@ from edgeserve.backends import ACTIVATION_MODES, BACKENDS, DEFAULT_ACTIVATIONS, 
 from edgeserve.config import DEFAULT_KV_MEMORY, EngineConfig
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import DEFAULT_MODEL
-from edgeserve.sampling_params import SamplingParams
+from edgeserve.sampling_params import FALLBACK_SAMPLING, SamplingDefaults, SamplingParams
 
 if TYPE_CHECKING:
     from edgeserve.engine.llm_engine import LLMEngine
@@ -31,9 +31,11 @@ class BackendChoice(click.Choice):
         return value
 
 
-def model_options(run: Callable) -> Callable:
-    """--model, and the engine's --backend, --weights, --activations, --kv-memory, --threads and --ctx-size, which reach
-    the command as one EngineConfig argument `config`."""
+def model_options(run: Callable | None = None, *, ctx_default: str = "the model's") -> Callable:
+    """--model, and the engine's --backend, --weights, --activations, --kv-memory, --threads and --ctx-size, which
+    reach the command as one EngineConfig argument `config`; ctx_default: what --help says -c defaults to."""
+    if run is None:
+        return functools.partial(model_options, ctx_default=ctx_default)
 
     @functools.wraps(run)
     def command(*args: object, backend: str, weights: str, activations: str | None, kv_memory: str,
@@ -43,7 +45,7 @@ def model_options(run: Callable) -> Callable:
         return run(*args, config=config, **kwargs)
 
     f = click.option("--ctx-size", "-c", type=click.IntRange(min=16), default=None,
-                     help="Context length in tokens  [default: the model's]")(command)
+                     help=f"Context length in tokens  [default: {ctx_default}]")(command)
     f = click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
                      help="CPU threads for the NumPy backend's kernels  [default: every core]")(f)
     f = click.option("--kv-memory", default=DEFAULT_KV_MEMORY, show_default=True,
@@ -62,27 +64,40 @@ def model_options(run: Callable) -> Callable:
     return f
 
 
-def sampling_options(temperature: float, max_tokens: int) -> Callable[[Callable], Callable]:
-    """--max-tokens, --temperature (--temp), --top-p, --top-k, --min-p and --seed, with this command's defaults;
-    they reach the command as one dict `settings` of SamplingParams fields, checked before anything loads."""
+def sampling_options(max_tokens: int) -> Callable[[Callable], Callable]:
+    """--max-tokens (with this command's default), --temperature (--temp), --top-p, --top-k, --min-p,
+    --repeat-penalty, --repeat-last-n and --seed; they reach the command as one dict `settings` of the
+    SamplingParams fields given (checked before anything loads), which the model's SamplingDefaults.apply
+    completes."""
 
     def decorate(run: Callable) -> Callable:
         @functools.wraps(run)
-        def command(*args: object, max_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
-                    seed: int | None, **kwargs: object) -> object:
-            settings = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-                        "min_p": min_p, **({} if seed is None else {"seed": seed})}
-            SamplingParams(**settings)
+        def command(*args: object, max_tokens: int, temperature: float | None, top_p: float | None,
+                    top_k: int | None, min_p: float | None, repeat_penalty: float | None,
+                    repeat_last_n: int | None, seed: int | None, **kwargs: object) -> object:
+            given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+                     "repetition_penalty": repeat_penalty, "repeat_last_n": repeat_last_n, "seed": seed}
+            settings = {"max_tokens": max_tokens, **{k: v for k, v in given.items() if v is not None}}
+            SamplingParams(**SamplingDefaults().apply(settings))
             return run(*args, settings=settings, **kwargs)
 
+        def fallback(name: str) -> str:
+            return f"[default: the model's, else {FALLBACK_SAMPLING[name]}]"
+
         f = click.option("--seed", type=int, default=None, help="Sampling seed (same seed, same text).")(command)
-        f = click.option("--min-p", type=float, default=0.0, show_default=True,
-                         help="Drop tokens less likely than this fraction of the likeliest; 0 is off.")(f)
-        f = click.option("--top-k", type=int, default=0, show_default=True,
-                         help="Sample from the k likeliest tokens; 0 is off.")(f)
-        f = click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling; 1 is off.")(f)
-        f = click.option("--temperature", "--temp", type=float, default=temperature, show_default=True,
-                         help="0 is greedy.")(f)
+        f = click.option("--repeat-last-n", type=int, default=None,
+                         help=f"Tokens the repeat penalty looks back over; -1: all, 0: off  "
+                              f"{fallback('repeat_last_n')}")(f)
+        f = click.option("--repeat-penalty", type=float, default=None,
+                         help=f"Make tokens seen lately less likely; 1 is off  {fallback('repetition_penalty')}")(f)
+        f = click.option("--min-p", type=float, default=None,
+                         help=f"Drop tokens less likely than this fraction of the likeliest; 0 is off  "
+                              f"{fallback('min_p')}")(f)
+        f = click.option("--top-k", type=int, default=None,
+                         help=f"Sample from the k likeliest tokens; 0 is off  {fallback('top_k')}")(f)
+        f = click.option("--top-p", type=float, default=None, help=f"Nucleus sampling; 1 is off  {fallback('top_p')}")(f)
+        f = click.option("--temperature", "--temp", type=float, default=None,
+                         help=f"0 is greedy  {fallback('temperature')}")(f)
         return click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=max_tokens,
                             show_default=True, help="Most tokens per answer.")(f)
 
@@ -104,6 +119,7 @@ def build_engine(model: str, config: EngineConfig, quiet: bool = False) -> LLMEn
     engine = LLMEngine(loaded, config)
     if not quiet:
         print(f"{loaded.source.name} on {engine.backend.describe()}; {engine.pool_size.describe()}", file=sys.stderr)
-        if (note := engine.describe_limits()) is not None:
+        # the KV pool capping the model's own context is the expected case; a --ctx-size it cannot hold is news
+        if config.max_model_len is not None and (note := engine.describe_limits()) is not None:
             print(note, file=sys.stderr)
     return engine

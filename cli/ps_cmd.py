@@ -41,7 +41,13 @@ def server_state(url: str, api_key: str | None) -> dict:
 @click.option("--json", "json_out", is_flag=True, help="Print the state as JSON.")
 def ps(url: str, api_key: str | None, json_out: bool) -> None:
     """Show what a running `edgeserve serve` holds: model names, running and waiting requests, KV pool use."""
-    state = server_state(url, api_key)
+    try:
+        state = server_state(url, api_key)
+    except EdgeserveError as exc:
+        if not json_out:
+            raise
+        click.echo(json.dumps({"error": {"message": str(exc)}}))  # scripts read stdout: the error is JSON too
+        raise SystemExit(1) from None
     if json_out:
         click.echo(json.dumps(state, indent=1))
         return

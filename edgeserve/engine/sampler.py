@@ -16,14 +16,15 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def apply_penalties(logits: np.ndarray, seq: Sequence) -> np.ndarray:
-    """Logit bias, then repetition (over prompt and output, multiplicative), frequency and presence
-    (over output) penalties."""
+    """Logit bias, then repetition (over the last repeat_last_n tokens of prompt and output, multiplicative),
+    frequency and presence (over output) penalties."""
     p = seq.params
     if p.logit_bias:
         ids = np.fromiter(p.logit_bias, dtype=np.int64)
         logits[ids] += np.fromiter(p.logit_bias.values(), dtype=np.float64)
-    if p.repetition_penalty != 1.0:
-        seen = np.unique(np.asarray(seq.token_ids))
+    if p.repetition_penalty != 1.0 and p.repeat_last_n != 0:
+        window = seq.token_ids if p.repeat_last_n < 0 else seq.token_ids[-p.repeat_last_n:]
+        seen = np.unique(np.asarray(window))
         vals = logits[seen]
         logits[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens:
@@ -87,7 +88,8 @@ def keep_top_p(probs: np.ndarray, top_p: float) -> None:
 
 def needs_processing(seq: Sequence) -> bool:
     p = seq.params
-    return (not p.greedy or p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+    penalizes_repeats = p.repetition_penalty != 1.0 and p.repeat_last_n != 0
+    return (not p.greedy or penalizes_repeats or bool(p.frequency_penalty) or bool(p.presence_penalty)
             or bool(p.logit_bias))
 
 

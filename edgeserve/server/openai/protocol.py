@@ -7,8 +7,9 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from edgeserve.sampling_params import SamplingParams
+from edgeserve.sampling_params import SamplingDefaults, SamplingParams
 from edgeserve.server.errors import APIError
 
 MAX_N = 64
@@ -87,22 +88,24 @@ class _GenerationRequest(_Body):
         """The request field behind a SamplingParams field named in an error."""
         return {"json_schema": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar"}.get(param, param)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, grammar: str | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, grammar: str | None = None,
+                        defaults: SamplingDefaults | None = None) -> SamplingParams:
         """Raises InvalidParamsError (with the offending field) on values the engine refuses.
 
         grammar: a Lark grammar the server adds (tool calls the request requires).
+        defaults: the model's sampling defaults, for the fields the request leaves out.
         """
         greedy = self.top_p == 0  # top_p 0 keeps only the most likely token
         constraint = self.constraint()
         if grammar is not None:
             constraint["grammar"] = grammar
+        sampling = (defaults or SamplingDefaults()).apply({
+            "temperature": 0.0 if greedy else self.temperature, "top_p": 1.0 if greedy else self.top_p,
+            "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+        })
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=0.0 if greedy else _or(self.temperature, 1.0),
-            top_p=1.0 if greedy else _or(self.top_p, 1.0),
-            top_k=_or(self.top_k, 0),
-            min_p=_or(self.min_p, 0.0),
-            repetition_penalty=_or(self.repetition_penalty, 1.0),
+            **sampling,
             presence_penalty=_or(self.presence_penalty, 0.0),
             frequency_penalty=_or(self.frequency_penalty, 0.0),
             seed=self.seed,
@@ -119,8 +122,16 @@ def _or(value: Any, default: Any) -> Any:
 
 
 class ContentPart(_Body):
-    type: Literal["text"]  # the model reads text only
+    type: Text
     text: Text
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, kind: str) -> str:
+        if kind != "text":
+            raise PydanticCustomError("unsupported_content", "this model reads text only: a content part of type "
+                                      "{kind} cannot be read", {"kind": repr(kind)})
+        return kind
 
 
 class FunctionCall(_Body):

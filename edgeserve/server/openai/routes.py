@@ -39,7 +39,7 @@ class _OpenAI:
                       grammar: str | None = None) -> SamplingParams:
         """The body's sampling parameters, with their grammar compiled; a 400 naming the field at fault."""
         try:
-            params = body.sampling_params(max_tokens, logprobs, grammar)
+            params = body.sampling_params(max_tokens, logprobs, grammar, self.aengine.info.sampling_defaults)
             await self.aengine.compile_grammar(params)
         except InvalidParamsError as exc:
             raise APIError(400, str(exc), param=body.api_param(exc.param), code="invalid_value") from exc
