@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import random
 from pathlib import Path
 
@@ -15,6 +16,10 @@ from edgeserve.models.catalog import DEFAULT_MODEL, pull
 from edgeserve.models.base import ModelArgs
 from edgeserve.models.loader import LoadedModel
 from edgeserve.text.tokenizer import Tokenizer
+
+# Loading a GGUF model saves its repacked panels under EDGESERVE_HOME: tests write only to their
+# temporary folders, so the panel cache is off unless a test turns it on (tests/test_panel_cache.py).
+os.environ["EDGESERVE_PANEL_CACHE"] = "0"
 
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CHAT_TEMPLATE = (
