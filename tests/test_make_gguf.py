@@ -4,7 +4,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf.quants import dequantize
-from random_gguf import TINY, make_gguf, write_tiny
+from bench_scripts import TINY, make_gguf, write_tiny
 
 from edgeserve.config import EngineConfig
 from edgeserve.engine.llm_engine import LLMEngine

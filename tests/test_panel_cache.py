@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 import pytest
-from random_gguf import write_tiny
+from bench_scripts import write_tiny
 
 from edgeserve.backends import panel_cache, qmatmul
 from edgeserve.backends.qmatmul import QMatrix
