@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-
 import numpy as np
 
 from edgeserve.errors import ModelLoadError, ModelNotFoundError

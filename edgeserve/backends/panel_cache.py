@@ -182,6 +182,9 @@ class PanelCache:
             self.path.unlink(missing_ok=True)  # unreadable: rebuilt by this run
             return
         self._entries, self._map = index["matrices"], data
+        # read ahead now, as llama.cpp does with its mapped file: the first step then finds the pages in memory
+        if hasattr(data._mmap, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+            data._mmap.madvise(mmap.MADV_WILLNEED)
 
 
 def _segment(data: np.ndarray, spec: dict[str, Any]) -> _Segment:
