@@ -125,3 +125,11 @@ def test_the_cache_off_writes_nothing(cache_home, model_file, monkeypatch):
     monkeypatch.setenv(panel_cache.ENV_VAR, "0")
     _, engine = logits(model_file)
     assert not cache_home.exists() and mapped_matrices(engine) == []
+
+
+def test_an_unwritable_cache_folder_leaves_the_weights_in_memory(cache_home, model_file, uncached):
+    cache_home.parent.mkdir(parents=True)
+    cache_home.write_text("a file where the cache folder would go")
+    answer, engine = logits(model_file)
+    np.testing.assert_array_equal(answer, uncached)
+    assert mapped_matrices(engine) == [] and not list(cache_home.parent.glob("*.partial"))

@@ -77,6 +77,7 @@ class PanelCache:
         self._index: dict[str, Any] = {}  # matrices written to the partial file this run
         self._tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
         self._out: Any = None
+        self._failed = False  # the cache file could not be written: this run stops trying
         self._load()
 
     @classmethod
@@ -109,6 +110,8 @@ class PanelCache:
 
     def add(self, key: str, m: QMatrix) -> None:
         """A matrix repacked this run: written to the new cache file, and `m` takes the mapped arrays."""
+        if self._failed:
+            return
         try:
             if self._out is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,15 +148,15 @@ class PanelCache:
         self._out = None
         for old in self.path.parent.glob(self.path.name.rsplit("-", 1)[0] + "-*.panels"):
             if old != self.path:
-                old.unlink(missing_ok=True)  # the same model's cache for an older file or layout
+                _remove(old)  # the same model's cache for an older file or layout
         self._hits, self._index = {}, {}
         self._load()
 
     def _abandon(self) -> None:
         if self._out is not None:
             self._out.close()
-        self._out = None
-        self._tmp.unlink(missing_ok=True)
+        self._out, self._index, self._failed = None, {}, True
+        _remove(self._tmp)
 
     def _load(self) -> None:
         """Map the cache file and read its index; anything unreadable leaves the cache empty."""
@@ -179,12 +182,19 @@ class PanelCache:
         except FileNotFoundError:
             return
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            self.path.unlink(missing_ok=True)  # unreadable: rebuilt by this run
+            _remove(self.path)  # unreadable: rebuilt by this run
             return
         self._entries, self._map = index["matrices"], data
         # read ahead now, as llama.cpp does with its mapped file: the first step then finds the pages in memory
         if hasattr(data._mmap, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
             data._mmap.madvise(mmap.MADV_WILLNEED)
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass  # not there, or not ours to remove: nothing to clean
 
 
 def _segment(data: np.ndarray, spec: dict[str, Any]) -> _Segment:
