@@ -9,7 +9,13 @@ Absolute speeds differ between machines, so only ratios measured side by side me
 - http: `edgeserve serve` vs `llama-server -np CLIENTS`, the same seeded load of streaming clients
   from `edgeserve bench --url` against each: aggregate output tokens/s and TTFT p50;
 - bandwidth: a sequential-read probe of this machine's memory, and each engine's decode step as
-  (GGUF bytes read per token) x (single-stream tg128 tokens/s), as a share of it.
+  (GGUF bytes read per token) x (single-stream tg128 tokens/s), as a share of it;
+- startup: launch to first token and exit, `edgeserve run -n 1` vs `llama-simple -n 1` (one
+  generated token from the same raw prompt), with each process's peak resident memory; edgeserve's
+  first start (which writes its panel cache, in a temporary EDGESERVE_HOME) and later ones apart.
+
+The model is a GGUF file or a catalog name (-m gemma3-270m); the report names its shape. Files of
+the sizes people run, with random weights, come from bench/make_gguf.py.
 
 edgeserve is driven only through its CLI and HTTP API. llama.cpp's binaries come from --llama-cpp
 DIR, $EDGESERVE_LLAMA_CPP, the cache ($EDGESERVE_HOME/llama.cpp, default ~/.cache/edgeserve/llama.cpp)
@@ -19,6 +25,7 @@ and a C++ compiler; 10-25 minutes on 2 cores).
     python bench/compare_llamacpp.py
     python bench/compare_llamacpp.py --only single,bandwidth --json
     python bench/compare_llamacpp.py --streams 16,64 --http-requests 32 --llama-cpp ~/src/llama.cpp/build/bin
+    python bench/compare_llamacpp.py -m llama-3b-q4_0.gguf --only single,bandwidth,startup
 """
 
 from __future__ import annotations
@@ -49,15 +56,18 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from edgeserve.models.catalog import DEFAULT_MODEL, home, pull
+from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, home, pull
+from edgeserve.quant.gguf_file import read_gguf
 from edgeserve.system import usable_cores
 
 # llama-cpp-python's sdist vendors a llama.cpp that builds on Linux and macOS with plain cmake.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST_DIR = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
+STARTUP_TOOL = "llama-simple"  # loads (maps) the model, evaluates the prompt, prints tokens, exits
 ENV_VAR = "EDGESERVE_LLAMA_CPP"
-PARTS = ("single", "batched", "http", "bandwidth")
+PARTS = ("single", "batched", "http", "bandwidth", "startup")
+STARTUP_PROMPT = "hi"
 # edgeserve's sweep and llama-batched-bench both run streams of this many prompt and generated tokens.
 SWEEP_PROMPT, SWEEP_OUTPUT = 128, 128
 EDGESERVE = [sys.executable, "-m", "edgeserve.cli"]  # the CLI of the interpreter running this script
@@ -124,7 +134,7 @@ def build_llama_cpp(progress: Progress) -> Path:
     run_tool(["cmake", "-S", str(source), "-B", str(source / "build"), "-DCMAKE_BUILD_TYPE=Release",
               "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"], progress, task)
     progress.update(task, description="llama.cpp: build")
-    run_tool(["cmake", "--build", str(source / "build"), "-j", str(usable_cores()), "--target", *TOOLS],
+    run_tool(["cmake", "--build", str(source / "build"), "-j", str(usable_cores()), "--target", *TOOLS, STARTUP_TOOL],
              progress, task, percent=re.compile(r"^\[\s*(\d+)%\]"))
     progress.update(task, completed=100)
     found = tool_dir(source / "build")
@@ -167,6 +177,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def timed_process(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
+    """Run a command to its exit: (wall seconds from launch, its peak resident bytes)."""
+    with tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode:
+            err.seek(0)
+            raise ToolError(f"{' '.join(cmd[:4])} ... exited with {proc.returncode}:\n"
+                            + err.read().decode(errors="replace")[-3000:])
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    return wall, usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 @contextmanager
@@ -300,6 +326,32 @@ class Bench:
             self.results["http"][name] = figures
         self.progress.update(task, total=1, completed=1, detail="")
 
+    def startup(self, repetitions: int) -> None:
+        """Launch to first token: `edgeserve run -n 1` (first start, then with its panel cache) vs `llama-simple`."""
+        simple = self.bin / STARTUP_TOOL
+        if not os.access(simple, os.X_OK):
+            raise ToolError(f"no {simple}: build it with `cmake --build {self.bin.parent} --target {STARTUP_TOOL}`")
+        task = self.progress.add_task("startup: edgeserve run -n 1, first start", total=None, detail="")
+        ours = [*EDGESERVE, "run", *self.edgeserve_args(), "-n", "1", "--raw", STARTUP_PROMPT]
+        # A fresh cache folder makes the first start build the panels, as a user's first run does.
+        with tempfile.TemporaryDirectory() as cache_home:
+            env = {**os.environ, "EDGESERVE_HOME": cache_home}
+            env.pop("EDGESERVE_PANEL_CACHE", None)
+            first = timed_process(ours, env)
+            self.progress.update(task, description="startup: edgeserve run -n 1, cached")
+            later = [timed_process(ours, env) for _ in range(repetitions)]
+        self.progress.update(task, description=f"startup: {STARTUP_TOOL} -n 1")
+        theirs = [timed_process([str(simple), "-m", str(self.gguf), "-n", "1", STARTUP_PROMPT])
+                  for _ in range(repetitions)]
+        best = lambda runs: min(runs)  # noqa: E731 - the fastest run: the least disturbed by other work
+        self.results["startup"] = {
+            "model_bytes": self.gguf.stat().st_size,
+            "edgeserve_first_s": round(first[0], 2), "edgeserve_first_peak_rss_bytes": first[1],
+            "edgeserve_s": round(best(later)[0], 2), "edgeserve_peak_rss_bytes": max(r[1] for r in later),
+            "llama_cpp_s": round(best(theirs)[0], 2), "llama_cpp_peak_rss_bytes": max(r[1] for r in theirs),
+        }
+        self.progress.update(task, total=1, completed=1, detail="")
+
     def bandwidth(self, size: int, repeats: int) -> None:
         """Best sequential read of an in-memory array, on one thread and on all; decode's share of it."""
         task = self.progress.add_task(f"bandwidth: sum a {size / 2**30:g} GiB array", total=None, detail="")
@@ -362,6 +414,14 @@ def table_rows(results: dict) -> list[dict]:
             ">= 1.5")
         add("HTTP TTFT p50 s", es["ttft_p50_s"], ll["ttft_p50_s"], "<= 1.0")
         add("HTTP TPOT p50 s", es["tpot_p50_s"], ll["tpot_p50_s"])
+    if st := results.get("startup"):
+        size = st["model_bytes"]
+        add("start to 1st token s", st["edgeserve_s"], st["llama_cpp_s"], "<= 1.0")
+        add("first start s (panel cache)", st["edgeserve_first_s"], st["llama_cpp_s"])
+        add("peak RSS / file size", round(st["edgeserve_peak_rss_bytes"] / size, 2),
+            round(st["llama_cpp_peak_rss_bytes"] / size, 2), "es <= 1.1")
+        add("peak RSS / file, first start", round(st["edgeserve_first_peak_rss_bytes"] / size, 2),
+            round(st["llama_cpp_peak_rss_bytes"] / size, 2))
     if (bw := results.get("bandwidth")) and "edgeserve_share" in bw:
         add("decode GB/s", bw["edgeserve_decode_GBps"], bw["llama_cpp_decode_GBps"])
         # This goal is edgeserve's own share of the probe, not a ratio.
@@ -370,10 +430,12 @@ def table_rows(results: dict) -> list[dict]:
 
 
 def print_table(results: dict) -> None:
-    table = Table(title=f"{Path(results['model']).name}, {results['threads']} threads", box=box.SIMPLE_HEAD,
+    table = Table(title=f"{Path(results['model']).name} ({results['model_shape']}), {results['threads']} threads",
+                  box=box.SIMPLE_HEAD,
                   caption="ratio = edgeserve / llama.cpp. llama.cpp: llama-bench tg128 and pp512, "
                           "llama-batched-bench 128+128 per stream, llama-server. 'whole': output tokens over "
-                          "prefill and decode time.")
+                          "prefill and decode time. startup: launch to exit of `edgeserve run -n 1` and "
+                          f"`{STARTUP_TOOL} -n 1` (best run; first start: edgeserve builds its panel cache).")
     table.add_column("figure", no_wrap=True)
     for column in ("edgeserve", "llama.cpp", "ratio"):
         table.add_column(column, justify="right")
@@ -390,13 +452,44 @@ def print_table(results: dict) -> None:
         console.print(f"llama.cpp build {build['number']} ({build['commit']}) on {build['cpu']}: {build['bin']}")
 
 
+def model_shape(path: Path) -> str:
+    """The GGUF's architecture and sizes, and its tensor types by share of bytes: what the figures are of."""
+    g = read_gguf(path)
+    md, arch = g.metadata, g.architecture
+
+    def get(key: str) -> Any:
+        return md.get(f"{arch}.{key}", "?")
+
+    by_type: dict[str, int] = {}
+    for t in g.tensors.values():
+        by_type[t.qtype.name] = by_type.get(t.qtype.name, 0) + t.data.nbytes
+    total = sum(by_type.values())
+    mix = ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in sorted(by_type.items(), key=lambda kv: -kv[1])
+                    if n / total >= 0.005)
+    vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
+    return (f"{arch}: {get('block_count')} layers, hidden {get('embedding_length')}, "
+            f"heads {get('attention.head_count')}/{get('attention.head_count_kv')}, MLP {get('feed_forward_length')}, "
+            f"vocab {vocab}; {mix}; {path.stat().st_size / 1e9:.2f} GB")
+
+
+def resolve_model(name: str | None) -> Path:
+    """A GGUF path, or a catalog name (pulled if missing); the default model without either."""
+    if name is None:
+        return pull(DEFAULT_MODEL).resolve()
+    if Path(name).expanduser().is_file():
+        return Path(name).expanduser().resolve()
+    if name in CATALOG:
+        return pull(name).resolve()
+    raise click.UsageError(f"-m {name}: no such file, and not a catalog name ({', '.join(CATALOG)})")
+
+
 def parse_list(text: str) -> list[int]:
     return sorted({int(x) for x in text.split(",") if x.strip()})
 
 
 @click.command()
-@click.option("--model", "-m", "model_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=None, help=f"GGUF file [default: the catalog's {DEFAULT_MODEL}, pulled if missing]")
+@click.option("--model", "-m", "model_name", default=None,
+              help=f"GGUF file or catalog name (pulled if missing) [default: {DEFAULT_MODEL}]")
 @click.option("--llama-cpp", "llama_cpp", type=click.Path(exists=True, file_okay=False, path_type=Path),
               default=None, help=f"Folder with {', '.join(TOOLS)} (or its bin/, build/bin/) [default: "
                                  f"${ENV_VAR}, the cache, PATH, else build into the cache]")
@@ -407,12 +500,13 @@ def parse_list(text: str) -> list[int]:
 @click.option("--http-requests", default=64, show_default=True, help="Requests in the http load.")
 @click.option("--threads", "-t", default=usable_cores(), show_default=True,
               help="Threads for llama.cpp, edgeserve and the read probe.")
-@click.option("--repetitions", "-r", default=5, show_default=True, help="llama-bench repetitions per test.")
+@click.option("--repetitions", "-r", default=5, show_default=True,
+              help="llama-bench repetitions per test; starts of each engine for startup.")
 @click.option("--weights", default="auto", show_default=True, help="edgeserve --weights (NumPy backend).")
 @click.option("--kv-memory", default="1GiB", show_default=True, help="edgeserve KV pool (64 x 256 tokens fit 1GiB).")
 @click.option("--probe-size", default=1 << 30, show_default=True, help="Bytes summed by the bandwidth probe.")
 @click.option("--json", "as_json", is_flag=True, help="Print every figure as JSON on stdout.")
-def main(model_path: Path | None, llama_cpp: Path | None, only: str, streams: str, http_clients: int,
+def main(model_name: str | None, llama_cpp: Path | None, only: str, streams: str, http_clients: int,
          http_requests: int, threads: int, repetitions: int, weights: str, kv_memory: str, probe_size: int,
          as_json: bool) -> None:
     """Benchmark edgeserve against llama.cpp's own tools on the same GGUF, same machine, same sitting."""
@@ -421,7 +515,7 @@ def main(model_path: Path | None, llama_cpp: Path | None, only: str, streams: st
         raise click.UsageError(f"--only: unknown {', '.join(sorted(unknown))} (choose from {', '.join(PARTS)})")
     if "bandwidth" in parts:
         parts.add("single")
-    gguf = (model_path or pull(DEFAULT_MODEL)).resolve()
+    gguf = resolve_model(model_name)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > 0.5:
         console.print(f"[yellow]load average {load:.1f} on {usable_cores()} cores before starting: "
@@ -443,6 +537,7 @@ def main(model_path: Path | None, llama_cpp: Path | None, only: str, streams: st
             "batched": lambda: bench.batched(parse_list(streams)),
             "http": lambda: bench.http(http_clients, http_requests),
             "bandwidth": lambda: bench.bandwidth(probe_size, repeats=5),
+            "startup": lambda: bench.startup(repetitions),
         }
         for part in PARTS:  # single before bandwidth, which uses its figures
             if part in parts:
@@ -451,7 +546,8 @@ def main(model_path: Path | None, llama_cpp: Path | None, only: str, streams: st
                 except ToolError as exc:
                     failures.append(part)
                     progress.console.print(f"[red]{part} failed:[/] {escape(str(exc))}")
-    results = {"model": str(gguf), "threads": threads, "weights": weights, **bench.results}
+    results = {"model": str(gguf), "model_shape": model_shape(gguf), "threads": threads, "weights": weights,
+               **bench.results}
     results["rows"] = table_rows(results)
     print_table(results)
     if as_json:

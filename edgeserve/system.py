@@ -1,6 +1,7 @@
-"""Facts about the machine the runtime sizes itself by."""
+"""Facts about the machine the runtime sizes itself by, and where it keeps its files."""
 
 import os
+from pathlib import Path
 
 
 def usable_cores() -> int:
@@ -15,3 +16,8 @@ def available_memory_bytes() -> int:
         return page * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError):
         return page * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def home() -> Path:
+    """The edgeserve cache folder (EDGESERVE_HOME, default ~/.cache/edgeserve): models, panels, tools."""
+    return Path(os.environ.get("EDGESERVE_HOME", Path.home() / ".cache" / "edgeserve"))

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 from tqdm import tqdm
 
 from edgeserve.errors import ModelNotFoundError
+from edgeserve.system import home
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -70,11 +71,6 @@ CATALOG: dict[str, CatalogEntry] = {
         ),
     ]
 }
-
-
-def home() -> Path:
-    """The edgeserve cache folder (EDGESERVE_HOME, default ~/.cache/edgeserve)."""
-    return Path(os.environ.get("EDGESERVE_HOME", Path.home() / ".cache" / "edgeserve"))
 
 
 def local_path(entry: CatalogEntry) -> Path:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
 from edgeserve.errors import ModelLoadError, ModelNotFoundError
@@ -20,7 +22,7 @@ from edgeserve.models.catalog import CATALOG, pull
 from edgeserve.models.registry import architecture, gguf_model_type
 from edgeserve.quant.affine import QuantizedTensor
 from edgeserve.quant.gguf_blocks import gguf_tensor_to_array
-from edgeserve.quant.gguf_file import GGUFFile, read_gguf
+from edgeserve.quant.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from edgeserve.quant.kquants import KQuantTensor
 from edgeserve.sampling_params import SamplingDefaults
 from edgeserve.text.tokenizer import Tokenizer
@@ -45,6 +47,98 @@ _GGUF_GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _GGUF_ROPE_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}  # become args
+_T = gguf.GGMLQuantizationType
+# GGUF types that become affine groups (see quant/gguf_blocks.py), with their width there
+_AFFINE_BITS = {_T.Q4_0: 4, _T.Q4_1: 4, _T.Q5_0: 8, _T.Q5_1: 8, _T.Q8_0: 8}
+_KQUANTS = (_T.Q4_K, _T.Q5_K, _T.Q6_K)
+
+
+@dataclass(frozen=True)
+class WeightOrigin:
+    """Where a weight comes from: a file's identity, a tensor in it, and the row order applied."""
+
+    file: str  # path, size and modification time: a rewritten file is another file
+    tensor: str
+    rows: str = ""  # "" as stored; "rope-half" for q/k rows reordered to rotate-half
+
+    @property
+    def key(self) -> str:
+        return f"{self.tensor}|{self.rows}"
+
+
+def file_identity(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+
+
+class _Deferred:
+    """A GGUF matrix converted from the file's blocks when first needed, not at load time.
+
+    Reading an attribute converts it once and keeps the result, as an eager tensor would;
+    `materialize()` converts without keeping it, for a caller that repacks it and drops it (the
+    NumPy backend, which with a panel cache hit never converts at all). `origin` names it.
+    """
+
+    origin: WeightOrigin
+    _convert: Callable[[], Any]
+    _held: Any
+
+    def materialize(self) -> Any:
+        return self._held if self._held is not None else self._convert()
+
+    def _value(self) -> Any:
+        if self._held is None:
+            self._held = self._convert()
+        return self._held
+
+    def file_map(self) -> Any:
+        """The file's memory map (whose pages a caller may drop once it has repacked everything)."""
+        return self._map
+
+    def reordered(self, order: np.ndarray, tag: str) -> Any:
+        """The same matrix with its rows taken in `order`, still deferred."""
+        return type(self)(lambda: self.materialize().take_rows(order),
+                          self._layout, WeightOrigin(self.origin.file, self.origin.tensor, tag), self._map)
+
+
+class DeferredQuantizedTensor(_Deferred, QuantizedTensor):
+    """A GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrix as affine groups, converted on first use."""
+
+    def __init__(self, convert: Callable[[], QuantizedTensor], layout: tuple[tuple[int, int], int, int],
+                 origin: WeightOrigin, file_map: Any = None):
+        self._convert, self._held, self.origin, self._map = convert, None, origin, file_map
+        self._layout = layout
+        self._shape, self.bits, self.group_size = layout
+
+    shape = property(lambda self: self._shape)
+    weight = property(lambda self: self._value().weight)
+    scales = property(lambda self: self._value().scales)
+    biases = property(lambda self: self._value().biases)
+
+
+class DeferredKQuantTensor(_Deferred, KQuantTensor):
+    """A GGUF K-quant matrix, its blocks read (or reordered) on first use."""
+
+    def __init__(self, convert: Callable[[], KQuantTensor], layout: tuple[Any, int, int], origin: WeightOrigin,
+                 file_map: Any = None):
+        self._convert, self._held, self.origin, self._map = convert, None, origin, file_map
+        self._layout = layout
+        self.qtype, self._rows, self.cols = layout
+
+    shape = property(lambda self: (self._rows, self.cols))
+    blocks = property(lambda self: self._value().blocks)
+
+
+def _deferred(t: GGUFTensor, identity: str) -> Any:
+    """The tensor as a deferred weight where it is a 2-D quantized matrix, else converted now."""
+    if len(t.shape) != 2 or (t.qtype not in _AFFINE_BITS and t.qtype not in _KQUANTS):
+        return gguf_tensor_to_array(t)
+    origin = WeightOrigin(identity, t.name)
+    file_map = getattr(t.data, "_mmap", None)
+    if t.qtype in _KQUANTS:
+        return DeferredKQuantTensor(lambda: gguf_tensor_to_array(t), (t.qtype, *t.shape), origin, file_map)
+    layout = ((t.shape[0], t.shape[1]), _AFFINE_BITS[t.qtype], 32)
+    return DeferredQuantizedTensor(lambda: gguf_tensor_to_array(t), layout, origin, file_map)
 
 
 @dataclass
@@ -108,6 +202,8 @@ def _rope_rows_to_half(n_rows: int, n_heads: int) -> np.ndarray:
 
 
 def _permute_rows(w: Any, order: np.ndarray) -> Any:
+    if isinstance(w, _Deferred):
+        return w.reordered(order, "rope-half")
     return w.take_rows(order) if isinstance(w, (QuantizedTensor, KQuantTensor)) else w[order]
 
 
@@ -163,6 +259,7 @@ def gguf_weights(g: GGUFFile, args: ModelArgs) -> Weights:
     family = architecture(args.model_type, g.path)
     permuted = family.gguf_rope_permuted
     layer_names = {**_GGUF_LAYER_NAMES, **family.gguf_layer_names}
+    identity = file_identity(g.path)
     weights: Weights = {}
     for name, t in g.tensors.items():
         if name in _GGUF_ROPE_TENSORS:
@@ -174,7 +271,7 @@ def gguf_weights(g: GGUFFile, args: ModelArgs) -> Weights:
             if len(parts) != 4 or parts[0] != "blk" or parts[2] not in layer_names:
                 raise ModelLoadError(f"{g.path}: unexpected tensor {name!r}")
             hf = f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
-        w = gguf_tensor_to_array(t)
+        w = _deferred(t, identity)
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
             heads = args.num_attention_heads if ".q_proj." in hf else args.num_key_value_heads
             w = _permute_rows(w, _rope_rows_to_half(w.shape[0], heads))

@@ -60,6 +60,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         print(f"\nthe tests changed the user's cache {USER_HOME}: {', '.join(changed[:10])}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+# Loading a GGUF model saves its repacked panels under EDGESERVE_HOME, a second copy of the model on
+# disk: off unless a test turns it on (tests/test_panel_cache.py).
+os.environ["EDGESERVE_PANEL_CACHE"] = "0"
+
 
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CHAT_TEMPLATE = (

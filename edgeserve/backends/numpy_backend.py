@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from edgeserve.backends import WEIGHT_MODES, cpu_kernels, qmatmul
+from edgeserve.backends import WEIGHT_MODES, cpu_kernels, panel_cache, qmatmul
 from edgeserve.backends.cpu_decoder import CPUDecoder
 from edgeserve.backends.cpu_kernels import compile_now, decode_attention
 from edgeserve.backends.qmatmul import QMatrix
@@ -49,6 +49,11 @@ def as_float32(w: Any) -> np.ndarray:
     if isinstance(w, QUANTIZED):
         return w.dequantize(np.float32)
     return np.ascontiguousarray(w, dtype=np.float32)
+
+
+def _materialized(w: Any) -> Any:
+    """A deferred weight's value, not kept by it (it is repacked, then dropped); others as they are."""
+    return w.materialize() if hasattr(w, "materialize") else w
 
 
 def resident_weight_bytes(model: Any, mode: str) -> int:
@@ -114,6 +119,7 @@ class NumpyBackend:
         compile_now()  # at start-up, not inside the first request's timings
         if weights == "quantized":
             qmatmul.compile_now()
+        self._panel_caches: dict[str, panel_cache.PanelCache] = {}
 
     def describe(self) -> str:
         if self.weights == "quantized":
@@ -127,7 +133,7 @@ class NumpyBackend:
 
     def embedding(self, w: Any) -> np.ndarray | QMatrix:
         if self.weights == "quantized" and isinstance(w, QUANTIZED):
-            return qmatmul.prepare([w])
+            return self._prepare([w])
         return as_float32(w)
 
     def head(self, table: np.ndarray | QMatrix) -> np.ndarray | QMatrix:
@@ -137,18 +143,49 @@ class NumpyBackend:
     def linear(self, parts: list[Any]) -> np.ndarray | QMatrix:
         """Fuse weights sharing an input (q/k/v, gate/up) into one matrix: one kernel call or GEMM each."""
         if self.weights == "quantized" and any(isinstance(p, QUANTIZED) for p in parts):
-            return qmatmul.prepare([p if isinstance(p, QUANTIZED) else as_float32(p) for p in parts])
+            return self._prepare([p if isinstance(p, QUANTIZED) else as_float32(p) for p in parts])
         return np.ascontiguousarray(np.concatenate([as_float32(p) for p in parts], axis=0).T)
+
+    def _prepare(self, parts: list[Any]) -> QMatrix:
+        """`qmatmul.prepare`, through the model file's panel cache where every part names its origin
+        in one file (a weight deferred by the GGUF loader): a hit maps the panels and never reads
+        the parts; a miss repacks them into the cache file (completed by `commit_panels`) and
+        drops the model file's pages it read, so the process never holds the weights twice."""
+        origins = [getattr(p, "origin", None) for p in parts]
+        files = {o.file for o in origins if o is not None}
+        if None in origins or len(files) != 1 or not panel_cache.enabled():
+            return qmatmul.prepare([_materialized(p) for p in parts])
+        file = files.pop()
+        cache = self._panel_caches.get(file)
+        if cache is None:
+            cache = self._panel_caches[file] = panel_cache.PanelCache.for_file(file)
+        key = "+".join(o.key for o in origins)
+        m = cache.get(key, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+        if m is None:
+            m = qmatmul.prepare([_materialized(p) for p in parts])
+            cache.add(key, m)
+            panel_cache.drop_pages(parts[0].file_map())
+        return m
+
+    def commit_panels(self) -> None:
+        """Complete the cache files of the matrices repacked since the last call."""
+        for cache in self._panel_caches.values():
+            cache.commit()
 
     def fuse_blocks(self, layers: list[Any], eps: float,
                     ropes: list[tuple[np.ndarray, np.ndarray]]) -> CPUDecoder | None:
-        return CPUDecoder.build(layers, eps, ropes) if self.weights == "quantized" else None
+        if self.weights != "quantized":
+            return None
+        self.commit_panels()
+        return CPUDecoder.build(layers, eps, ropes)
 
     def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
         angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
         return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
     def batch_meta(self, batch: Batch, rope: tuple[np.ndarray, np.ndarray]) -> NumpyMeta:
+        if any(c.pending for c in self._panel_caches.values()):  # a family without fused blocks
+            self.commit_panels()
         _set_blas_threads(self.blas_threads)
         cos, sin = rope
         blocks, lens = batch.row_layout()

@@ -1,0 +1,43 @@
+"""bench/compare_llamacpp.py's own parts that need no llama.cpp: the model's shape, timed starts, the report."""
+
+import re
+import sys
+
+import pytest
+from bench_scripts import load_script, write_tiny
+
+compare = load_script("compare_llamacpp")
+
+
+def test_the_report_names_the_model_shape_and_its_tensor_types(tmp_path, model_path):
+    path = write_tiny(tmp_path / "tiny.gguf", "q4_k_m", model_path)
+    shape = compare.model_shape(path)
+    assert shape.startswith("llama: 8 layers, hidden 256, heads 4/2, MLP 512, vocab 49152; ")
+    # the output head and half the ffn_down / attn_v are Q6_K, the rest Q4_K: shares by bytes, largest first
+    assert re.search(r"; Q6_K \d+%, Q4_K \d+%; 0.02 GB$", shape)
+
+
+def test_a_timed_process_reports_its_wall_time_and_peak_memory():
+    wall, rss = compare.timed_process([sys.executable, "-c", "import time; b = bytearray(200 << 20); time.sleep(0.3)"])
+    assert 0.3 <= wall < 30
+    assert rss >= 200 << 20
+
+
+def test_a_failing_process_is_a_tool_error_with_its_output():
+    with pytest.raises(compare.ToolError, match="the reason"):
+        compare.timed_process([sys.executable, "-c", "import sys; sys.exit('the reason')"])
+
+
+def test_startup_rows_compare_seconds_and_memory_per_file_byte():
+    results = {"startup": {"model_bytes": 1000, "edgeserve_first_s": 9.0, "edgeserve_first_peak_rss_bytes": 2500,
+                           "edgeserve_s": 2.0, "edgeserve_peak_rss_bytes": 1100,
+                           "llama_cpp_s": 1.0, "llama_cpp_peak_rss_bytes": 1050}}
+    rows = {r["figure"]: r for r in compare.table_rows(results)}
+    assert rows["start to 1st token s"]["ratio"] == 2.0
+    assert rows["peak RSS / file size"]["edgeserve"] == 1.1 and rows["peak RSS / file size"]["llama_cpp"] == 1.05
+    assert rows["peak RSS / file, first start"]["edgeserve"] == 2.5
+
+
+def test_an_unknown_model_name_is_a_usage_error(tmp_path):
+    with pytest.raises(compare.click.UsageError, match="not a catalog name"):
+        compare.resolve_model(str(tmp_path / "missing.gguf"))

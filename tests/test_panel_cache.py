@@ -1,0 +1,135 @@
+"""The panel cache: a GGUF model's repacked matrices saved once and mapped on later starts."""
+
+import os
+
+import numpy as np
+import pytest
+from bench_scripts import write_tiny
+
+from edgeserve.backends import panel_cache, qmatmul
+from edgeserve.backends.qmatmul import QMatrix
+from edgeserve.config import EngineConfig
+from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.models import loader
+from edgeserve.models.loader import load_model
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGESERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(panel_cache.ENV_VAR, "1")
+    return tmp_path / "home" / "panels"
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory, model_path):
+    # Q4_K_M mixes Q4_K and Q6_K panels, q/k rows reordered for RoPE and a separate output head
+    return write_tiny(tmp_path_factory.mktemp("gguf") / "tiny.gguf", "q4_k_m", model_path)
+
+
+def logits(path) -> tuple[np.ndarray, LLMEngine]:
+    model = load_model(str(path))
+    engine = LLMEngine(model, EngineConfig(backend="numpy", weights="quantized", kv_memory="16MiB"))
+    return engine.prompt_logits(model.tokenizer.encode(PROMPT)), engine
+
+
+def mapped_matrices(engine: LLMEngine) -> list[QMatrix]:
+    """The engine's QMatrix weights whose packed words are views of a mapped cache file."""
+    model = engine.runner.model
+    mats = [model.embed, model.lm_head] + [m for layer in model.layers
+                                           for m in (layer.attention.qkv, layer.attention.o, layer.mlp.gate_up, layer.mlp.down)]
+
+    def is_mapped(a: np.ndarray) -> bool:
+        while a is not None and not isinstance(a, np.memmap):
+            a = a.base
+        return a is not None and ".panels" in str(a.filename)  # the first run maps the file it is writing
+
+    return [m for m in mats if all(is_mapped(s.packed) for s in m.segments)]
+
+
+@pytest.fixture(scope="module")
+def uncached(model_file):
+    """The logits with the cache off: what every cached run must reproduce bit for bit."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(panel_cache.ENV_VAR, "0")
+        return logits(model_file)[0]
+
+
+def test_a_miss_writes_the_cache_and_a_hit_maps_it_without_reading_the_weights(cache_home, model_file, uncached,
+                                                                               monkeypatch):
+    first, engine = logits(model_file)
+    files = list(cache_home.glob("*.panels"))
+    assert len(files) == 1 and not list(cache_home.glob("*.partial"))
+    np.testing.assert_array_equal(first, uncached)
+    assert len(mapped_matrices(engine)) == 2 + 4 * 8  # the first run already computes from the file
+
+    def no_conversion(t):
+        if len(t.shape) == 2:
+            raise AssertionError(f"{t.name} converted on a cache hit")
+        return real(t)
+
+    real = loader.gguf_tensor_to_array
+    monkeypatch.setattr(loader, "gguf_tensor_to_array", no_conversion)
+    second, engine = logits(model_file)
+    np.testing.assert_array_equal(second, uncached)
+    assert len(mapped_matrices(engine)) == 2 + 4 * 8
+    assert list(cache_home.glob("*.panels")) == files
+
+
+def test_a_changed_model_file_misses_and_replaces_its_cache(cache_home, model_file, tmp_path, model_path):
+    path = write_tiny(tmp_path / "changing.gguf", "q4_k_m", model_path, seed=1)
+    before, _ = logits(path)
+    (old,) = cache_home.glob("changing-*.panels")
+    write_tiny(path, "q4_k_m", model_path, seed=2)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # a later mtime, whatever the clock
+    after, _ = logits(path)
+    (new,) = cache_home.glob("changing-*.panels")
+    assert new != old  # the old file's cache is gone, not kept beside
+    assert not np.array_equal(before, after)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(panel_cache.ENV_VAR, "0")
+        np.testing.assert_array_equal(after, logits(path)[0])
+
+
+def test_a_new_layout_version_misses(cache_home, model_file, monkeypatch):
+    logits(model_file)
+    (old,) = cache_home.glob("*.panels")
+    monkeypatch.setattr(qmatmul, "LAYOUT_VERSION", "a layout not seen before", raising=False)
+    logits(model_file)
+    (new,) = cache_home.glob("*.panels")
+    assert new != old
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbled index", "garbage", "empty"])
+def test_a_damaged_cache_file_is_rebuilt_not_an_error(cache_home, model_file, uncached, damage):
+    logits(model_file)
+    (path,) = cache_home.glob("*.panels")
+    raw = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(raw[: len(raw) // 2])
+    elif damage == "garbled index":
+        path.write_bytes(raw[:-200] + b"{" * 176 + raw[-24:])
+    elif damage == "garbage":
+        path.write_bytes(np.random.default_rng(0).bytes(len(raw)))
+    else:
+        path.write_bytes(b"")
+    rebuilt, engine = logits(model_file)
+    np.testing.assert_array_equal(rebuilt, uncached)
+    assert path.read_bytes() == raw  # written again, the same bytes
+    assert len(mapped_matrices(engine)) == 2 + 4 * 8
+
+
+def test_the_cache_off_writes_nothing(cache_home, model_file, monkeypatch):
+    monkeypatch.setenv(panel_cache.ENV_VAR, "0")
+    _, engine = logits(model_file)
+    assert not cache_home.exists() and mapped_matrices(engine) == []
+
+
+def test_an_unwritable_cache_folder_leaves_the_weights_in_memory(cache_home, model_file, uncached):
+    cache_home.parent.mkdir(parents=True)
+    cache_home.write_text("a file where the cache folder would go")
+    answer, engine = logits(model_file)
+    np.testing.assert_array_equal(answer, uncached)
+    assert mapped_matrices(engine) == [] and not list(cache_home.parent.glob("*.partial"))
