@@ -21,6 +21,7 @@ from edgeserve.config import EngineConfig
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.evaluation.perplexity import text_perplexity
+from edgeserve.evaluation.shipped_text import SHIPPED_TEXT
 from edgeserve.models.catalog import CATALOG, pull, sha256_of
 from edgeserve.models.gemma3 import FULL, SLIDING
 from edgeserve.models.loader import LoadedModel, load_folder, load_model
@@ -245,7 +246,7 @@ def llama_cpp_perplexity(engine: LLMEngine, text: str, ctx: int, chunks: int) ->
 
 def test_perplexity_beside_llama_cpp(gemma):
     """On the shipped text, by llama-perplexity's own recipe, within 1% of its figure on the same file."""
-    text = (Path(__file__).parents[1] / "quant" / "data" / LLAMA_CPP["text"]).read_text()
+    text = (SHIPPED_TEXT.parent / LLAMA_CPP["text"]).read_text()
     engine = LLMEngine(gemma, backend="numpy", kv_memory="128MiB")
     chunks = LLAMA_CPP["chunks_tested"]  # of 11: each 512-token chunk costs seconds on a small CPU
     ours = llama_cpp_perplexity(engine, text, LLAMA_CPP["ctx"], chunks)
@@ -257,7 +258,7 @@ def test_eval_perplexity_puts_bos_first_in_every_window(gemma):
     """Gemma reads a window that does not start with BOS badly (47 here without it): `edgeserve eval
     perplexity`'s sliding windows each start with it, and land near llama.cpp's recipe (which scores
     only tokens with half a window of context, so it reads lower)."""
-    text = (Path(__file__).parents[1] / "quant" / "data" / LLAMA_CPP["text"]).read_text()[:3000]
+    text = (SHIPPED_TEXT.parent / LLAMA_CPP["text"]).read_text()[:3000]
     engine = LLMEngine(gemma, backend="numpy", kv_memory="128MiB")
     ours = text_perplexity(engine, text, ctx=256, progress=False)
     recipe = llama_cpp_perplexity(engine, text, 256, chunks=2)
