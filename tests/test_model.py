@@ -89,7 +89,7 @@ def test_run_with_quantized_weights(model_path):
     done = edgeserve_cli("run", "--model", str(model_path), "--backend", "numpy", "--weights", "quantized",
                          "--threads", "1", "--kv-memory", "64MiB", "--max-tokens", "8", "What is the capital of France?")
     assert done.returncode == 0, done.stderr
-    assert "numpy (quantized weights, " in done.stderr and "kernels, 1 thread)" in done.stderr
+    assert "numpy (quantized weights, " in done.stderr and "kernels, int16 activations, 1 thread)" in done.stderr
     assert "Paris" in done.stdout
 
 

@@ -96,7 +96,7 @@ def test_a_changed_model_file_misses_and_replaces_its_cache(cache_home, model_fi
 def test_a_new_layout_version_misses(cache_home, model_file, monkeypatch):
     logits(model_file)
     (old,) = cache_home.glob("*.panels")
-    monkeypatch.setattr(qmatmul, "LAYOUT_VERSION", "a layout not seen before", raising=False)
+    monkeypatch.setattr(qmatmul, "PANEL_LAYOUT_VERSION", "a layout not seen before")
     logits(model_file)
     (new,) = cache_home.glob("*.panels")
     assert new != old

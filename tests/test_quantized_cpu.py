@@ -69,7 +69,7 @@ def test_numba_fallback_answers_end_to_end(model_path, tmp_path):
     env = {**os.environ, "EDGESERVE_QMATMUL": "numba"}
     out = subprocess.run(
         [sys.executable, "-m", "edgeserve.cli", "run", "--model", str(model_path), "--backend", "numpy",
-         "--weights", "quantized", "--kv-memory", "64MiB", "--max-tokens", "12", "--json",
+         "--weights", "quantized", "--kv-memory", "64MiB", "--max-tokens", "12", "--temperature", "0", "--json",
          "What is the capital of France?"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr

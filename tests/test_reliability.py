@@ -204,7 +204,8 @@ def test_start_up_says_when_the_pool_caps_the_context(tiny_model, monkeypatch, c
     from edgeserve.cli.options import build_engine
 
     monkeypatch.setattr("edgeserve.models.loader.load_model", lambda _: tiny_model)
-    build_engine("tiny", EngineConfig(backend="numpy", kv_memory=4 * 16 * TINY_BYTES_PER_TOKEN))
+    asked = tiny_model.args.max_position_embeddings  # -c asks for more than the pool holds
+    build_engine("tiny", EngineConfig(backend="numpy", kv_memory=4 * 16 * TINY_BYTES_PER_TOKEN, max_model_len=asked))
     assert "max_model_len capped to 64 tokens" in capsys.readouterr().err
-    build_engine("tiny", EngineConfig(backend="numpy", kv_memory="16MiB"))
+    build_engine("tiny", EngineConfig(backend="numpy", kv_memory="16MiB", max_model_len=asked))
     assert "capped" not in capsys.readouterr().err

@@ -106,7 +106,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "scheduler"):
             return
-        for _ in range(500):  # every request finishes: nothing waits forever behind a stuck batch
+        # every request finishes: nothing waits forever behind a stuck batch. Each step computes at least one
+        # token, and a preempted sequence computes its tokens again, so this bounds the steps a healthy
+        # scheduler needs (a budget of 1 token a step takes one step per prompt and output token)
+        work = sum(s.num_prompt_tokens + s.params.max_tokens for s in self.live)
+        for _ in range(4 * work + 100):
             if not self.scheduler.has_unfinished():
                 break
             self.step()

@@ -117,7 +117,7 @@ def test_info_and_run_work_from_the_installed_console_script(venv, model_path, t
     assert "KV per token  23040 bytes (float16)" in info
 
     run = run_in(venv, tmp_path, "edgeserve", "run", "--backend", "numpy", "--kv-memory", "64MiB",
-                 "--max-tokens", "8", "--json", "What is the capital of France?")
+                 "--max-tokens", "8", "--temperature", "0", "--json", "What is the capital of France?")
     answer = json.loads(run.stdout)
 
     assert answer["model"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and answer["backend"] == "numpy"
