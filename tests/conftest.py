@@ -50,6 +50,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        # the numba fallback's own variants of the matmul tests: each compiles its kernels (~10 s of CPU)
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "numba" in callspec.id.split("-"):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
