@@ -352,6 +352,33 @@ static AVX512_TARGET void kernel_avx512(const Task *t, int p0, int p1, int r0, i
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
+/* The scale s and bias b of group g for half h (8 columns) of panel p; K-quants multiply their int8
+   group scales and mins by the super-block's d and dmin. */
+static inline AVX2_TARGET __attribute__((always_inline)) void
+avx2_group_scales(const Task *t, int p, int g, int h, __m256 *s, __m256 *b) {
+    const int K = t->K, G = t->group;
+    size_t so = ((size_t)p * (K / G) + g) * PANEL + 8 * h;
+    if (t->kq) {
+        size_t dofs = ((size_t)p * (K / 256) + g * G / 256) * PANEL + 8 * h;
+        __m256 dd, dm;
+        if (t->f16) {
+            dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->scales + dofs)));
+            dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->biases + dofs)));
+        } else {
+            dd = _mm256_loadu_ps((const float *)t->scales + dofs);
+            dm = _mm256_loadu_ps((const float *)t->biases + dofs);
+        }
+        *s = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t->ksc + so)))));
+        *b = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t->km + so)))));
+    } else if (t->f16) {
+        *s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->scales + so)));
+        *b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->biases + so)));
+    } else {
+        *s = _mm256_loadu_ps((const float *)t->scales + so);
+        *b = _mm256_loadu_ps((const float *)t->biases + so);
+    }
+}
+
 static inline AVX2_TARGET __attribute__((always_inline)) __m256i madd_acc(__m256i acc, __m256i w, int32_t x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(x)));
 }
@@ -423,28 +450,9 @@ avx2_rows(const Task *t, int p, int r0, const int RB, const int HB) {
                 }
             }
         }
-        size_t so = ((size_t)p * ng + g) * PANEL;
         for (int h = 0; h < 2; h++) {
             __m256 s, b;
-            if (t->kq) {
-                size_t dofs = ((size_t)p * (K / 256) + g * G / 256) * PANEL + 8 * h;
-                __m256 dd, dm;
-                if (t->f16) {
-                    dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->scales + dofs)));
-                    dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->biases + dofs)));
-                } else {
-                    dd = _mm256_loadu_ps((const float *)t->scales + dofs);
-                    dm = _mm256_loadu_ps((const float *)t->biases + dofs);
-                }
-                s = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t->ksc + so + 8 * h)))));
-                b = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t->km + so + 8 * h)))));
-            } else if (t->f16) {
-                s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->scales + so + 8 * h)));
-                b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->biases + so + 8 * h)));
-            } else {
-                s = _mm256_loadu_ps((const float *)t->scales + so + 8 * h);
-                b = _mm256_loadu_ps((const float *)t->biases + so + 8 * h);
-            }
+            avx2_group_scales(t, p, g, h, &s, &b);
             for (int r = 0; r < RB; r++) {
                 size_t xi = (size_t)(r0 + r) * ng + g;
                 __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_mul_ps(s, _mm256_set1_ps(t->xd[xi])),
@@ -553,27 +561,8 @@ avx2_group8(const Task *t, const uint32_t *wp, const uint32_t *hp, int g, int h,
 static inline AVX2_TARGET __attribute__((always_inline)) void
 avx2_scale8(const Task *t, int p, int g, int h, int r0, const __m256i *acc, __m256 *facc, const int RB, const int BITS) {
     const int K = t->K, G = t->group, ng = K / G;
-    size_t so = ((size_t)p * ng + g) * PANEL + 8 * h;
     __m256 s, b;
-    if (t->kq) {
-        size_t dofs = ((size_t)p * (K / 256) + g * G / 256) * PANEL + 8 * h;
-        __m256 dd, dm;
-        if (t->f16) {
-            dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->scales + dofs)));
-            dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->biases + dofs)));
-        } else {
-            dd = _mm256_loadu_ps((const float *)t->scales + dofs);
-            dm = _mm256_loadu_ps((const float *)t->biases + dofs);
-        }
-        s = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t->ksc + so)))));
-        b = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t->km + so)))));
-    } else if (t->f16) {
-        s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->scales + so)));
-        b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->biases + so)));
-    } else {
-        s = _mm256_loadu_ps((const float *)t->scales + so);
-        b = _mm256_loadu_ps((const float *)t->biases + so);
-    }
+    avx2_group_scales(t, p, g, h, &s, &b);
     for (int r = 0; r < RB; r++) {
         size_t xi = (size_t)(r0 + r) * ng + g;
         __m256i a = BITS == 8 ? _mm256_add_epi32(acc[r], _mm256_set1_epi32(128 * t->xi[xi])) : acc[r];
