@@ -77,7 +77,7 @@ def test_folders_give_the_gguf_logits(loaded_model, tmp_path, quantized):
 
 def test_run_json(model_path):
     done = edgeserve_cli("run", "--model", str(model_path), "--backend", "numpy", "--kv-memory", "64MiB",
-                         "--max-tokens", "8", "--json", "What is the capital of France?")
+                         "--max-tokens", "8", "--temperature", "0", "--json", "What is the capital of France?")
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert "Paris" in out["text"]
@@ -87,7 +87,8 @@ def test_run_json(model_path):
 
 def test_run_with_quantized_weights(model_path):
     done = edgeserve_cli("run", "--model", str(model_path), "--backend", "numpy", "--weights", "quantized",
-                         "--threads", "1", "--kv-memory", "64MiB", "--max-tokens", "8", "What is the capital of France?")
+                         "--threads", "1", "--kv-memory", "64MiB", "--max-tokens", "8", "--temperature", "0",
+                         "What is the capital of France?")
     assert done.returncode == 0, done.stderr
     assert "numpy (quantized weights, " in done.stderr and "kernels, int16 activations, 1 thread)" in done.stderr
     assert "Paris" in done.stdout
