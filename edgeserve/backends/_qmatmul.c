@@ -502,7 +502,8 @@ static AVX2_TARGET void kernel_avx2(const Task *t, int p0, int p1, int r0, int r
    2 * (2^bits - 1) * 127: 3810 for 4 bits, so 8 of them stay below 2^15). 8-bit weights are
    flipped to signed (w - 128) and multiplied as |w - 128| by x carrying w - 128's sign (vpsignb;
    2 * 128 * 127 fits int16), and 128 * sum(x) is added back per group. Two rows share each
-   unpacked weight vector (with 4, accumulators spilled from the 16 registers). ---- */
+   unpacked weight vector; with 4-bit weights in groups of 32 and four rows or more, four rows
+   (avx2_half4_g32). ---- */
 
 static inline AVX2_TARGET __attribute__((always_inline)) __m256i bcast32(const int8_t *p) {
     int32_t v;
@@ -518,8 +519,8 @@ static inline AVX2_TARGET __attribute__((always_inline)) __m256i move_bits(__m25
 /* One row block's group g of 8 columns (half h of the panel): the rows' int32 dots in acc. */
 static inline AVX2_TARGET __attribute__((always_inline)) void
 avx2_group8(const Task *t, const uint32_t *wp, const uint32_t *hp, int g, int h, const int8_t *xg, __m256i *acc,
-            const int RB, const int HB, const int BITS) {
-    const int K = t->K, G = t->group, epw = 32 / BITS, wpg = G / epw;
+            const int RB, const int HB, const int BITS, const int GC) {
+    const int K = t->K, G = GC ? GC : t->group, epw = 32 / BITS, wpg = G / epw;
     const int FL = BITS == 8 ? 1 : HB == 0 ? 4 : HB == 1 ? 2 : 1;
     const __m256i m0f = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     /* the high bits of bytes 0 and 2 (at bit 4 of each int16 half), and of bytes 1 and 3 */
@@ -574,8 +575,8 @@ avx2_scale8(const Task *t, int p, int g, int h, int r0, const __m256i *acc, __m2
 /* Rows r0..r0+RB-1 (RB <= 2) of panel p: a group's two halves in turn, so that a weight line's
    second half is read while it is still in L1; 2 rows x 2 halves of accumulators stay in registers. */
 static inline AVX2_TARGET __attribute__((always_inline)) void
-avx2_rows8(const Task *t, int p, int r0, const int RB, const int HB, const int BITS) {
-    const int K = t->K, ng = K / t->group;
+avx2_rows8(const Task *t, int p, int r0, const int RB, const int HB, const int BITS, const int GC) {
+    const int K = t->K, G = GC ? GC : t->group, ng = K / G;
     const uint32_t *wp = t->w + (size_t)p * (K / (32 / BITS)) * PANEL;
     const uint32_t *hp = HB ? t->hw + (size_t)p * (K * HB / 32) * PANEL : NULL;
     const int8_t *xg0 = t->x8 + (size_t)r0 * K;
@@ -585,7 +586,7 @@ avx2_rows8(const Task *t, int p, int r0, const int RB, const int HB, const int B
         for (int r = 0; r < RB; r++) facc[h][r] = _mm256_setzero_ps();
     for (int g = 0; g < ng; g++) {
         __m256i acc[2][2];
-        for (int h = 0; h < 2; h++) avx2_group8(t, wp, hp, g, h, xg0 + (size_t)g * t->group, acc[h], RB, HB, BITS);
+        for (int h = 0; h < 2; h++) avx2_group8(t, wp, hp, g, h, xg0 + (size_t)g * G, acc[h], RB, HB, BITS, GC);
         for (int h = 0; h < 2; h++) avx2_scale8(t, p, g, h, r0, acc[h], facc[h], RB, BITS);
     }
     for (int h = 0; h < 2; h++)
@@ -605,13 +606,90 @@ avx2_rows8(const Task *t, int p, int r0, const int RB, const int HB, const int B
 static inline AVX2_TARGET __attribute__((always_inline)) void
 avx2_panel8(const Task *t, int p, int r0, int r1, const int HB, const int BITS) {
     int r = r0;
-    for (; r + 2 <= r1; r += 2) avx2_rows8(t, p, r, 2, HB, BITS);
-    if (r < r1) avx2_rows8(t, p, r, 1, HB, BITS);
+    if (t->group == 32) {
+        for (; r + 2 <= r1; r += 2) avx2_rows8(t, p, r, 2, HB, BITS, 32);
+        if (r < r1) avx2_rows8(t, p, r, 1, HB, BITS, 32);
+        return;
+    }
+    for (; r + 2 <= r1; r += 2) avx2_rows8(t, p, r, 2, HB, BITS, 0);
+    if (r < r1) avx2_rows8(t, p, r, 1, HB, BITS, 0);
+}
+
+/* Rows r0..r0+RB-1 of out's half h of panel p = facc, the panel's last columns cut at N. */
+static inline AVX2_TARGET __attribute__((always_inline)) void
+avx2_store_half(const Task *t, int p, int h, int r0, const __m256 *facc, const int RB) {
+    const int n = t->N - p * PANEL - 8 * h;
+    for (int r = 0; r < RB; r++) {
+        float *o = t->out + (size_t)(r0 + r) * t->ldo + p * PANEL + 8 * h;
+        if (n >= 8) {
+            _mm256_storeu_ps(o, facc[r]);
+        } else if (n > 0) {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, facc[r]);
+            memcpy(o, tmp, sizeof(float) * n);
+        }
+    }
+}
+
+/* Rows r0..r0+RB-1 (RB <= 4) of panel p's half h against 4-bit weights in groups of 32 (Q4_0,
+   Q4_1, Q4_K), every trip count a constant so the RB int16 sums and float accumulators live in
+   registers: the batch and prompt path, where each unpacked weight vector serves four rows. */
+static inline AVX2_TARGET __attribute__((always_inline)) void
+avx2_half4_g32(const Task *t, int p, int h, int r0, const int RB) {
+    const int K = t->K, ng = K / 32;
+    const uint32_t *wp = t->w + (size_t)p * (K / 8) * PANEL + 8 * h;
+    const int8_t *x = t->x8 + (size_t)r0 * K;
+    const __m256i m0f = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 facc[4];
+    for (int r = 0; r < RB; r++) facc[r] = _mm256_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        const uint32_t *wg = wp + (size_t)g * 4 * PANEL;
+        __m256i s16[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + j * PANEL));
+            const __m256i lo = _mm256_and_si256(v, m0f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+#pragma GCC unroll 4
+            for (int r = 0; r < RB; r++) {
+                const int8_t *xr = x + (size_t)r * K + g * 32 + 8 * j;
+                const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast32(xr)),
+                                                   _mm256_maddubs_epi16(hi, bcast32(xr + 4)));
+                s16[r] = j ? _mm256_add_epi16(s16[r], d) : d;
+                /* keeps gcc from regrouping the sums into a tree whose 32 leaves spill */
+                __asm__("" : "+x"(s16[r]));
+            }
+        }
+        __m256 s, b;
+        avx2_group_scales(t, p, g, h, &s, &b);
+#pragma GCC unroll 4
+        for (int r = 0; r < RB; r++) {
+            const size_t xi = (size_t)(r0 + r) * ng + g;
+            const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)),
+                                             _mm256_mul_ps(s, _mm256_set1_ps(t->xd[xi])), facc[r]);
+            facc[r] = _mm256_fmadd_ps(b, _mm256_set1_ps(t->xs[xi]), f);
+        }
+    }
+    avx2_store_half(t, p, h, r0, facc, RB);
+}
+
+/* Panel p's rows r0..r1 (at least 4) four at a time, one half after the other. */
+static AVX2_TARGET void avx2_panel4_g32(const Task *t, int p, int r0, int r1) {
+    for (int h = 0; h < 2; h++) {
+        int r = r0;
+        for (; r + 4 <= r1; r += 4) avx2_half4_g32(t, p, h, r, 4);
+        switch (r1 - r) {
+        case 3: avx2_half4_g32(t, p, h, r, 3); break;
+        case 2: avx2_half4_g32(t, p, h, r, 2); break;
+        case 1: avx2_half4_g32(t, p, h, r, 1); break;
+        default: break;
+        }
+    }
 }
 
 static AVX2_TARGET void kernel_avx2_8(const Task *t, int p0, int p1, int r0, int r1) {
     for (int p = p0; p < p1; p++) {
-        if (t->bits == 8) avx2_panel8(t, p, r0, r1, 0, 8);
+        if (t->bits == 4 && !t->hbits && t->group == 32 && r1 - r0 >= 4) avx2_panel4_g32(t, p, r0, r1);
+        else if (t->bits == 8) avx2_panel8(t, p, r0, r1, 0, 8);
         else if (t->hbits == 1) avx2_panel8(t, p, r0, r1, 1, 4);
         else if (t->hbits == 2) avx2_panel8(t, p, r0, r1, 2, 4);
         else avx2_panel8(t, p, r0, r1, 0, 4);
