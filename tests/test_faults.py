@@ -76,6 +76,7 @@ def test_kill_9_under_load_then_restart(tiny_folder):
         again.close()
 
 
+@pytest.mark.slow  # a server process
 def test_a_client_that_never_reads_its_stream_costs_only_itself(tiny_folder):
     server = ServeProcess(tiny_folder, *POOL)
     try:
@@ -100,6 +101,7 @@ def test_a_client_that_never_reads_its_stream_costs_only_itself(tiny_folder):
         server.close()
 
 
+@pytest.mark.slow  # a server process
 def test_an_engine_thread_that_raises_shows_in_health(tiny_folder):
     server = ServeProcess(tiny_folder, *POOL, env={FAULT_ENV: "5"})
     try:

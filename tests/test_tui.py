@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import pytest
 import uvicorn
+from click.testing import CliRunner
 from starlette.responses import PlainTextResponse
 from textual import events
 from textual.keys import _character_to_key
@@ -22,6 +23,7 @@ from textual.widgets import Input
 
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.cli.chat_clients import EngineClient, RemoteClient
+from edgeserve.cli.main import cli
 from edgeserve.cli.options import build_engine
 from edgeserve.config import EngineConfig
 from edgeserve.cli.tui_app import EdgeserveApp, HelpScreen, SessionPane
@@ -227,10 +229,8 @@ def test_a_server_that_is_not_there_is_one_line_of_error():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # nothing listens here once the socket closes
-    result = subprocess.run(
-        [sys.executable, "-c", "from edgeserve.cli.main import cli; cli()", "tui", "--url", f"http://127.0.0.1:{port}"],
-        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
-    assert result.returncode == 1
+    result = CliRunner().invoke(cli, ["tui", "--url", f"http://127.0.0.1:{port}"])
+    assert result.exit_code == 1
     assert result.stderr.strip().startswith(f"error: cannot list the models of http://127.0.0.1:{port}")
     assert "Traceback" not in result.stderr
 
