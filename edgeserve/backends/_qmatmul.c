@@ -502,8 +502,7 @@ static AVX2_TARGET void kernel_avx2(const Task *t, int p0, int p1, int r0, int r
    2 * (2^bits - 1) * 127: 3810 for 4 bits, so 8 of them stay below 2^15). 8-bit weights are
    flipped to signed (w - 128) and multiplied as |w - 128| by x carrying w - 128's sign (vpsignb;
    2 * 128 * 127 fits int16), and 128 * sum(x) is added back per group. Two rows share each
-   unpacked weight vector; with 4-bit weights in groups of 32 and four rows or more, four rows
-   (avx2_half4_g32). ---- */
+   unpacked weight vector; in the common layouts, with four rows or more, four rows (avx2_half4). ---- */
 
 static inline AVX2_TARGET __attribute__((always_inline)) __m256i bcast32(const int8_t *p) {
     int32_t v;
@@ -631,32 +630,55 @@ avx2_store_half(const Task *t, int p, int h, int r0, const __m256 *facc, const i
     }
 }
 
-/* Rows r0..r0+RB-1 (RB <= 4) of panel p's half h against 4-bit weights in groups of 32 (Q4_0,
-   Q4_1, Q4_K), every trip count a constant so the RB int16 sums and float accumulators live in
-   registers: the batch and prompt path, where each unpacked weight vector serves four rows. */
+/* Rows r0..r0+RB-1 (RB <= 4) of panel p's half h, every trip count a constant so the rows' sums
+   and float accumulators live in registers: the batch and prompt path, where each unpacked weight
+   vector serves four rows. Three layouts: 4-bit in groups of 32 (Q4_0, Q4_1, Q4_K; a group's
+   eight vpmaddubsw sums stay int16), 4-bit with two high bits in groups of 16 (Q6_K) and 8-bit in
+   groups of 32 (Q8_0), whose sums go to int32 after every word. */
 static inline AVX2_TARGET __attribute__((always_inline)) void
-avx2_half4_g32(const Task *t, int p, int h, int r0, const int RB) {
-    const int K = t->K, ng = K / 32;
-    const uint32_t *wp = t->w + (size_t)p * (K / 8) * PANEL + 8 * h;
+avx2_half4(const Task *t, int p, int h, int r0, const int RB, const int BITS, const int HB, const int G) {
+    const int K = t->K, ng = K / G, epw = 32 / BITS, wpg = G / epw, WIDE = BITS == 8 || HB;
+    const uint32_t *wp = t->w + (size_t)p * (K / epw) * PANEL + 8 * h;
+    const uint32_t *hp = HB ? t->hw + (size_t)p * (K * HB / 32) * PANEL + 8 * h : NULL;
     const int8_t *x = t->x8 + (size_t)r0 * K;
-    const __m256i m0f = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i m0f = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i hmA = _mm256_set1_epi32(0x00300030), hmB = _mm256_set1_epi32(0x30003000);
     __m256 facc[4];
     for (int r = 0; r < RB; r++) facc[r] = _mm256_setzero_ps();
     for (int g = 0; g < ng; g++) {
-        const uint32_t *wg = wp + (size_t)g * 4 * PANEL;
-        __m256i s16[4];
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) {
+        const uint32_t *wg = wp + (size_t)g * wpg * PANEL;
+        const __m256i hw = HB ? _mm256_loadu_si256((const __m256i *)(hp + (size_t)g * PANEL)) : _mm256_setzero_si256();
+        __m256i sum[4];
+#pragma GCC unroll 8
+        for (int j = 0; j < wpg; j++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + j * PANEL));
-            const __m256i lo = _mm256_and_si256(v, m0f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+            if (BITS == 8) {
+                const __m256i sw = _mm256_xor_si256(v, flip), aw = _mm256_abs_epi8(sw);
+#pragma GCC unroll 4
+                for (int r = 0; r < RB; r++) {
+                    const __m256i d = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast32(x + (size_t)r * K + g * G + 4 * j), sw));
+                    sum[r] = j ? _mm256_add_epi32(sum[r], _mm256_madd_epi16(d, ones)) : _mm256_madd_epi16(d, ones);
+                    __asm__("" : "+x"(sum[r]));
+                }
+                continue;
+            }
+            __m256i lo = _mm256_and_si256(v, m0f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+            if (HB) {
+                const int hb0 = HB * 4 * j;
+                lo = _mm256_or_si256(lo, _mm256_or_si256(_mm256_and_si256(move_bits(hw, hb0, 4), hmA),
+                                                         _mm256_and_si256(move_bits(hw, hb0 + 2 * HB, 12), hmB)));
+                hi = _mm256_or_si256(hi, _mm256_or_si256(_mm256_and_si256(move_bits(hw, hb0 + HB, 4), hmA),
+                                                         _mm256_and_si256(move_bits(hw, hb0 + 3 * HB, 12), hmB)));
+            }
 #pragma GCC unroll 4
             for (int r = 0; r < RB; r++) {
-                const int8_t *xr = x + (size_t)r * K + g * 32 + 8 * j;
+                const int8_t *xr = x + (size_t)r * K + g * G + 8 * j;
                 const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast32(xr)),
                                                    _mm256_maddubs_epi16(hi, bcast32(xr + 4)));
-                s16[r] = j ? _mm256_add_epi16(s16[r], d) : d;
+                if (WIDE) sum[r] = j ? _mm256_add_epi32(sum[r], _mm256_madd_epi16(d, ones)) : _mm256_madd_epi16(d, ones);
+                else sum[r] = j ? _mm256_add_epi16(sum[r], d) : d;
                 /* keeps gcc from regrouping the sums into a tree whose 32 leaves spill */
-                __asm__("" : "+x"(s16[r]));
+                __asm__("" : "+x"(sum[r]));
             }
         }
         __m256 s, b;
@@ -664,8 +686,9 @@ avx2_half4_g32(const Task *t, int p, int h, int r0, const int RB) {
 #pragma GCC unroll 4
         for (int r = 0; r < RB; r++) {
             const size_t xi = (size_t)(r0 + r) * ng + g;
-            const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)),
-                                             _mm256_mul_ps(s, _mm256_set1_ps(t->xd[xi])), facc[r]);
+            __m256i a = WIDE ? sum[r] : _mm256_madd_epi16(sum[r], ones);
+            if (BITS == 8) a = _mm256_add_epi32(a, _mm256_set1_epi32(128 * t->xi[xi]));
+            const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(s, _mm256_set1_ps(t->xd[xi])), facc[r]);
             facc[r] = _mm256_fmadd_ps(b, _mm256_set1_ps(t->xs[xi]), f);
         }
     }
@@ -673,22 +696,37 @@ avx2_half4_g32(const Task *t, int p, int h, int r0, const int RB) {
 }
 
 /* Panel p's rows r0..r1 (at least 4) four at a time, one half after the other. */
-static AVX2_TARGET void avx2_panel4_g32(const Task *t, int p, int r0, int r1) {
+static inline AVX2_TARGET __attribute__((always_inline)) void
+avx2_panel4(const Task *t, int p, int r0, int r1, const int BITS, const int HB, const int G) {
     for (int h = 0; h < 2; h++) {
         int r = r0;
-        for (; r + 4 <= r1; r += 4) avx2_half4_g32(t, p, h, r, 4);
+        for (; r + 4 <= r1; r += 4) avx2_half4(t, p, h, r, 4, BITS, HB, G);
         switch (r1 - r) {
-        case 3: avx2_half4_g32(t, p, h, r, 3); break;
-        case 2: avx2_half4_g32(t, p, h, r, 2); break;
-        case 1: avx2_half4_g32(t, p, h, r, 1); break;
+        case 3: avx2_half4(t, p, h, r, 3, BITS, HB, G); break;
+        case 2: avx2_half4(t, p, h, r, 2, BITS, HB, G); break;
+        case 1: avx2_half4(t, p, h, r, 1, BITS, HB, G); break;
         default: break;
         }
     }
 }
 
+/* Each layout's own function, so that its loops get the registers to themselves. */
+static AVX2_TARGET __attribute__((noinline)) void avx2_panel4_q4(const Task *t, int p, int r0, int r1) {
+    avx2_panel4(t, p, r0, r1, 4, 0, 32);
+}
+static AVX2_TARGET __attribute__((noinline)) void avx2_panel4_q6k(const Task *t, int p, int r0, int r1) {
+    avx2_panel4(t, p, r0, r1, 4, 2, 16);
+}
+static AVX2_TARGET __attribute__((noinline)) void avx2_panel4_q8(const Task *t, int p, int r0, int r1) {
+    avx2_panel4(t, p, r0, r1, 8, 0, 32);
+}
+
 static AVX2_TARGET void kernel_avx2_8(const Task *t, int p0, int p1, int r0, int r1) {
+    const int G = t->group, many = r1 - r0 >= 4;
     for (int p = p0; p < p1; p++) {
-        if (t->bits == 4 && !t->hbits && t->group == 32 && r1 - r0 >= 4) avx2_panel4_g32(t, p, r0, r1);
+        if (many && t->bits == 4 && !t->hbits && G == 32) avx2_panel4_q4(t, p, r0, r1);
+        else if (many && t->bits == 4 && t->hbits == 2 && G == 16) avx2_panel4_q6k(t, p, r0, r1);
+        else if (many && t->bits == 8 && G == 32) avx2_panel4_q8(t, p, r0, r1);
         else if (t->bits == 8) avx2_panel8(t, p, r0, r1, 0, 8);
         else if (t->hbits == 1) avx2_panel8(t, p, r0, r1, 1, 4);
         else if (t->hbits == 2) avx2_panel8(t, p, r0, r1, 2, 4);
@@ -785,6 +823,25 @@ static void quantize_rows8(const float *x, int R, int K, int G, int bits, int8_t
     }
 }
 
+/* One gemm call's activations to quantize, `chunk` rows an item. */
+typedef struct {
+    const float *x;
+    int R, K, G, bits, act8, chunk;
+    int16_t *xq;
+    float *xd, *xs;
+    int32_t *xi;
+} QuantJob;
+
+static void quantize_item(const void *ctx, int item) {
+    const QuantJob *j = (const QuantJob *)ctx;
+    const int r0 = item * j->chunk, rows = j->R - r0 < j->chunk ? j->R - r0 : j->chunk;
+    const size_t at = (size_t)r0 * j->K, gat = (size_t)r0 * (j->K / j->G);
+    if (j->act8)
+        quantize_rows8(j->x + at, rows, j->K, j->G, j->bits, (int8_t *)j->xq + at, j->xd + gat, j->xs + gat, j->xi + gat);
+    else
+        quantize_rows(j->x + at, rows, j->K, j->G, j->xq + at, j->xd + gat, j->xs + gat);
+}
+
 static int16_t *g_xq;
 static float *g_xd;
 static size_t g_xq_cap, g_xd_cap;
@@ -871,8 +928,10 @@ int qm_gemm(const QmMatrix *m, const float *x, int R, float *out, Py_ssize_t ldo
     float *xd = g_xd, *xs = g_xd + nd;
     int32_t *xi = (int32_t *)(g_xd + 2 * nd);
     const int act8 = g_act_bits == 8;
-    if (act8) quantize_rows8(x, R, K, G, m->bits, (int8_t *)g_xq, xd, xs, xi);
-    else quantize_rows(x, R, K, G, g_xq, xd, xs);
+    /* on one thread, quantizing 512 rows left the other idle for a seventh of the matmul's time */
+    QuantJob job = {x, R, K, G, m->bits, act8, R >= 64 ? 8 : R, g_xq, xd, xs, xi};
+    if (R >= 64) qm_parallel((R + job.chunk - 1) / job.chunk, quantize_item, &job);
+    else quantize_item(&job, 0);
     Task *t = &g_task;
     *t = (Task){
         .w = m->w, .scales = m->scales, .biases = m->biases, .xq = act8 ? NULL : g_xq,
