@@ -1,6 +1,7 @@
 """The core runtime on the real model: GGUF reading, NumPy forward vs transformers, loaders, bad input."""
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -20,9 +21,9 @@ FIXTURES = Path(__file__).parent / "fixtures"
 REFERENCE = json.loads((FIXTURES / "smollm2_transformers_reference.json").read_text())
 
 
-def edgeserve_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def edgeserve_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edgeserve.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +87,13 @@ def test_run_json(model_path):
 
 
 def test_run_with_quantized_weights(model_path):
+    """As a user runs it: the default int8 activations (the suite itself pins int16)."""
+    env = {k: v for k, v in os.environ.items() if k != "EDGESERVE_ACTIVATIONS"}
     done = edgeserve_cli("run", "--model", str(model_path), "--backend", "numpy", "--weights", "quantized",
                          "--threads", "1", "--kv-memory", "64MiB", "--max-tokens", "8", "--temperature", "0",
-                         "What is the capital of France?")
+                         "What is the capital of France?", env=env)
     assert done.returncode == 0, done.stderr
-    assert "numpy (quantized weights, " in done.stderr and "kernels, int16 activations, 1 thread)" in done.stderr
+    assert "numpy (quantized weights, " in done.stderr and "kernels, int8 activations, 1 thread)" in done.stderr
     assert "Paris" in done.stdout
 
 

@@ -26,10 +26,11 @@ ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 63, 64, 65, 67)
 @pytest.fixture(params=ISAS)
 def int8_isa(request):
     """Each C code path with int8 activations, restored to the defaults afterwards."""
+    before = qm.get_activations()
     qm._ext.set_isa(request.param)
     qm.set_activations("int8")
     yield request.param
-    qm.set_activations(qm.DEFAULT_ACTIVATIONS)
+    qm.set_activations(before)
     qm._ext.set_isa(None)
 
 
@@ -128,15 +129,18 @@ def test_int8_close_to_float(int8_isa):
 
 
 def test_backend_and_environment_choose_the_mode():
+    before = qm.get_activations()
     try:
         backend = NumpyBackend(weights="quantized", activations="int8")
         assert qm.get_activations() == "int8" and "int8 activations" in backend.describe()
     finally:
-        qm.set_activations(qm.DEFAULT_ACTIVATIONS)
-    env = {**os.environ, "EDGESERVE_ACTIVATIONS": "int8"}
+        qm.set_activations(before)
     code = "from edgeserve.backends import qmatmul; print(qmatmul.get_activations())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "int8"
+    for value, mode in (("int16", "int16"), (None, "int8")):  # int8 where nothing is said
+        env = {k: v for k, v in os.environ.items() if k != "EDGESERVE_ACTIVATIONS"}
+        env.update({"EDGESERVE_ACTIVATIONS": value} if value else {})
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == mode
 
 
 def test_activation_mode_is_checked():

@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 
 BACKENDS = ("auto", "numpy", "mlx")
 WEIGHT_MODES = ("float32", "quantized")
-# the integers the quantized CPU kernels turn activations into (see qmatmul for the cost of int8)
+# the integers the quantized CPU kernels turn activations into (see qmatmul for what each costs)
 ACTIVATION_MODES = ("int8", "int16")
-DEFAULT_ACTIVATIONS = "int16"
+DEFAULT_ACTIVATIONS = "int8"
 
 __all__ = ["ACTIVATION_MODES", "BACKENDS", "DEFAULT_ACTIVATIONS", "WEIGHT_MODES", "Backend", "get_backend", "resident_weight_bytes"]
 

@@ -10,13 +10,15 @@ equal the quantized storage, plus at most 15 padding columns per matrix.
 
 Kernel. Each row of x is quantized per weight group to integers, with its float sum kept, so that
 a group contributes s * d_x * sum(q * x_q) + b * sum(x). `set_activations` picks the integers (or
-the EDGESERVE_ACTIVATIONS environment variable, or --activations): 'int16' (scale max|x| / 32767:
-an error below 2^-16 of the group's largest value, far below the weights' own rounding; the exact
-path) or 'int8' (scale max|x| / 127, as llama.cpp quantizes activations; half the instructions per
-weight). int16 is the default: int8 raised perplexity by 1.0% (SmolLM2-135M Q4_1, 19.96 -> 20.16)
-and 1.2% (Gemma 3 270M Q4_K_M, 18.13 -> 18.35 on half the text), and a decode step, which reads
-memory, ran no faster with it on a 2-core AVX2 machine; only compute-bound batches gained (~10% at
-64-256 rows). The C extension `_qmatmul` runs the integer dot products as AVX-512 VNNI `vpdpwssd`
+the EDGESERVE_ACTIVATIONS environment variable, or --activations): 'int8' (scale max|x| / 127, as
+llama.cpp quantizes activations; half the instructions per weight; the default) or 'int16' (scale
+max|x| / 32767: an error below 2^-16 of the group's largest value, far below the weights' own
+rounding; the exact path, which the test suite holds to float32's tolerances). int8 raised
+perplexity by 1.0% (SmolLM2-135M Q4_1, 19.96 -> 20.16) and 1.2% (Gemma 3 270M Q4_K_M, 18.13 ->
+18.35 on half the text), the cost llama.cpp pays too; on a 2-core AVX2 machine it made a 1B
+model's 512-token prompt 2.3x faster (four rows share each unpacked weight vector in registers)
+and batches of 4-16 rows 1.3-1.8x faster, and a one-row decode step, which reads memory, a little
+faster. The C extension `_qmatmul` runs the integer dot products as AVX-512 VNNI `vpdpwssd`
 or AVX2 `vpmaddwd` for int16 and AVX2 `vpmaddubsw` for int8 (chosen at run time by CPU features;
 plain C elsewhere, e.g. NEON through auto-vectorization), each unpacked weight vector serving
 several rows from registers, on its own pthread pool over (row tile, column panel) items. Without
