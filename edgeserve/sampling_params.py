@@ -142,10 +142,14 @@ class SamplingParams:
 
     @property
     def constraint(self) -> tuple[str, str] | None:
-        """The grammar as (kind, source): kind "json_schema" (source is JSON text), "regex" or "lark"; or None."""
+        """The grammar as (kind, source): kind "json_schema" (source is JSON text), "regex" or "lark"; or None.
+
+        A schema's keys keep their written order: the grammar writes properties in that order (a schema that
+        asks for its reasoning before its answer gets them so), and the grammar cache keys on this text.
+        """
         if self.json_schema is not None:
             schema = self.json_schema
-            return "json_schema", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+            return "json_schema", schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
         if self.regex is not None:
             return "regex", self.regex
         if self.grammar is not None:
