@@ -1,4 +1,4 @@
-"""Tool-call formats: grammars that accept what the parsers read, parsing whole and streamed, and templates."""
+"""Tool-call formats: grammars that accept what the reader reads, and templates (`test_tool_stream` streams them)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ from edgeserve.text.tool_calls import (
     Llama3Format,
     MistralFormat,
     ToolCall,
-    ToolCallStream,
     format_for_template,
-    split_reply,
 )
+from edgeserve.text.tool_stream import read_answer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
@@ -44,7 +43,8 @@ def test_written_calls_parse_back_and_the_grammar_takes_them(fmt, llt, loaded_mo
     tokenizer = loaded_model.tokenizer
     for calls, parallel in ((CALLS[:1], False), (CALLS, True)):
         text = fmt.write(calls)
-        assert split_reply(text, fmt) == (None, calls)
+        answer = read_answer(text, fmt)
+        assert answer.text == "" and answer.calls == calls
         assert matches(llt, tokenizer, fmt.grammar([WEATHER, TIME], parallel), text)
     # one call only without parallel calls; only the named tools; arguments that follow the schema
     assert not matches(llt, tokenizer, fmt.grammar([WEATHER, TIME], False), fmt.write(CALLS))
@@ -53,47 +53,6 @@ def test_written_calls_parse_back_and_the_grammar_takes_them(fmt, llt, loaded_mo
     assert not matches(llt, tokenizer, fmt.grammar([WEATHER], False), fmt.write([bad]))
     # JSON as the engine writes it: no free whitespace, which a small model could pour out without end
     assert not matches(llt, tokenizer, fmt.grammar([WEATHER], False), fmt.write(CALLS[:1]).replace(", ", ",\n  "))
-
-
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_streamed_calls_come_whole_and_match_the_parse_of_the_whole_text(fmt) -> None:
-    text = fmt.write(CALLS)
-    if fmt.marker and not isinstance(fmt, Llama3Format):
-        text = "Let me look.\n" + text
-    content, calls = split_reply(text, fmt)
-    stream = ToolCallStream(fmt)
-    streamed, got = "", []
-    for i in range(0, len(text), 3):
-        piece, new = stream.feed(text[i:i + 3], False)
-        streamed += piece
-        got += new
-        assert fmt.marker[:2] not in streamed  # no markup reaches the content
-    piece, new = stream.feed("", True)
-    assert (streamed + piece).strip() == (content or "") and got + new == calls == CALLS
-
-
-def test_free_text_and_broken_calls_stay_text() -> None:
-    fmt = HermesFormat()
-    assert split_reply("Paris is sunny.", fmt) == ("Paris is sunny.", [])
-    broken = 'Sure <tool_call>\n{"name": "get_weather", "argu'
-    assert split_reply(broken, fmt) == (broken, [])
-    stream = ToolCallStream(fmt)
-    first, _ = stream.feed(broken, False)
-    last, calls = stream.feed("", True)
-    assert first + last == broken and calls == []
-    assert split_reply("I think {not a call}", Llama3Format()) == ("I think {not a call}", [])
-    assert split_reply("[1, 2] are numbers", MistralFormat()) == ("[1, 2] are numbers", [])
-
-
-def test_calls_without_their_special_marker_token_still_parse() -> None:
-    # Output text leaves special tokens out: Mistral's [TOOL_CALLS] and Llama 3's <|python_tag|> are ones,
-    # and some Hermes-style tokenizers hold <tool_call> and </tool_call> as special tokens too.
-    for fmt in (MistralFormat(), Llama3Format(), HermesFormat()):
-        text = fmt.write(CALLS).replace(fmt.marker, "").replace("</tool_call>", "")
-        assert split_reply(text, fmt) == (None, CALLS)
-        stream = ToolCallStream(fmt)
-        pieces = [stream.feed(text[i:i + 2], False) for i in range(0, len(text), 2)] + [stream.feed("", True)]
-        assert "".join(p[0] for p in pieces) == "" and [c for p in pieces for c in p[1]] == CALLS
 
 
 def test_the_format_comes_from_the_template() -> None:

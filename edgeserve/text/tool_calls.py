@@ -1,22 +1,20 @@
-"""Tool calls in a model's own format: the grammar that forces them, parsing them from text, and history as text.
+"""Tool calls in a model's own format: the grammar that forces them, reading a call object, and history as text.
 
 Three formats, chosen from the chat template's source: Hermes/Qwen (`<tool_call>{json}</tool_call>`),
 Mistral (`[TOOL_CALLS][{json}, ...]`) and Llama 3 (the message is `{"name": ..., "parameters": ...}`).
-Templates without tool support get Hermes through a system prompt (`fallback_messages`).
+Templates without tool support get Hermes through a system prompt (`fallback_messages`). `tool_stream` reads
+the calls out of an answer as it is written.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from edgeserve.sampling_params import JSON_OPTIONS
 
-_DECODER = json.JSONDecoder()
-_SEPARATORS = " \t\r\n;,"
 
 
 @dataclass(frozen=True)
@@ -37,7 +35,8 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call_from(obj: Any, args_key: str) -> ToolCall | None:
+def call_from(obj: Any, args_key: str) -> ToolCall | None:
+    """The call a decoded JSON object describes ({"name": ..., args_key: {...}}), or None if it is none."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
@@ -56,6 +55,14 @@ def _tool_schema(tool: dict, args_key: str) -> dict:
             "properties": {"name": {"const": function["name"]},
                            args_key: function.get("parameters") or {"type": "object"}},
             "required": ["name", args_key], "additionalProperties": False}
+
+
+def partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of text begin tag (so wait for more before deciding)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
 
 
 def _json_rule(schema: dict) -> str:
@@ -82,22 +89,14 @@ class ToolCallFormat:
         """Calls as the model would write them (for history in templates without tool support)."""
         raise NotImplementedError
 
-    def split(self, text: str) -> tuple[str, list[ToolCall], str]:
-        """(text before the calls, the complete calls, what follows them: an unfinished call or trailing text)."""
-        raise NotImplementedError
-
     def held_back(self, content: str) -> int:
         """Characters at the end of streamed content that may begin the marker, so wait for the next text."""
-        for n in range(min(len(self.marker) - 1, len(content)), 0, -1):
-            if self.marker.startswith(content[-n:]):
-                return n
-        return 0
+        return partial_tag(content, self.marker)
 
 
 class HermesFormat(ToolCallFormat):
     name = "hermes"
     marker = "<tool_call>"
-    _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
     def grammar(self, tools: list[dict], parallel: bool) -> str:
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
@@ -106,29 +105,6 @@ class HermesFormat(ToolCallFormat):
     def write(self, calls: list[ToolCall]) -> str:
         return "\n".join(f'<tool_call>\n{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}\n</tool_call>'
                          for c in calls)
-
-    def split(self, text: str) -> tuple[str, list[ToolCall], str]:
-        start = text.find(self.marker)
-        if start < 0:
-            # Some tokenizers hold the tags as special tokens, which the answer's text leaves out:
-            # an answer that opens with a call object is calls.
-            body = text.lstrip()
-            if not body.startswith("{"):
-                return text, [], ""
-            return "", *_call_sequence(body, self.args_key)
-        calls, pos = [], start
-        while (m := self._block.match(text, pos)) is not None:
-            try:
-                call = _call_from(json.loads(m.group(1)), self.args_key)
-            except ValueError:
-                call = None
-            if call is None:
-                break
-            calls.append(call)
-            pos = m.end()
-            while pos < len(text) and text[pos] in _SEPARATORS:
-                pos += 1
-        return text[:start], calls, text[pos:]
 
 
 class MistralFormat(ToolCallFormat):
@@ -149,25 +125,6 @@ class MistralFormat(ToolCallFormat):
         items = ", ".join(f'{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}' for c in calls)
         return f"{self.marker}[{items}]"
 
-    def split(self, text: str) -> tuple[str, list[ToolCall], str]:
-        start = text.find(self.marker)
-        if start >= 0:
-            body = text[start + len(self.marker):]
-        else:
-            # The marker is a special token, which the answer's text leaves out: a call list opens it.
-            body = text.lstrip()
-            if not body.startswith("[{"):
-                return text, [], ""
-            start = len(text) - len(body)
-        try:
-            items, end = _DECODER.raw_decode(body.lstrip())
-        except ValueError:
-            return text[:start], [], body
-        calls = [_call_from(item, self.args_key) for item in (items if isinstance(items, list) else [items])]
-        if any(c is None for c in calls):
-            return text[:start], [], body
-        return text[:start], calls, body.lstrip()[end:]
-
     def held_back(self, content: str) -> int:
         if content.lstrip() in ("", "["):  # may open a call list
             return len(content)
@@ -186,38 +143,12 @@ class Llama3Format(ToolCallFormat):
     def write(self, calls: list[ToolCall]) -> str:
         return "; ".join(f'{{"name": {json.dumps(c.name)}, "parameters": {c.arguments}}}' for c in calls)
 
-    def split(self, text: str) -> tuple[str, list[ToolCall], str]:
-        body = text.lstrip()
-        if body.startswith(self.marker):
-            body = body[len(self.marker):].lstrip()
-        elif not body.startswith("{"):
-            return text, [], ""
-        return "", *_call_sequence(body, self.args_key)
-
     def held_back(self, content: str) -> int:
         # Until the message shows something other than a call's start, any of it may be one.
         stripped = content.lstrip()
         if not stripped or self.marker.startswith(stripped[: len(self.marker)]):
             return len(content)
         return 0
-
-
-def _call_sequence(body: str, args_key: str) -> tuple[list[ToolCall], str]:
-    """The call objects at the start of body, one after another, and what follows them."""
-    calls, pos = [], 0
-    while pos < len(body):
-        try:
-            obj, end = _DECODER.raw_decode(body, pos)
-        except ValueError:
-            break
-        call = _call_from(obj, args_key)
-        if call is None:
-            break
-        calls.append(call)
-        pos = end
-        while pos < len(body) and body[pos] in _SEPARATORS:
-            pos += 1
-    return calls, body[pos:]
 
 
 def format_for_template(source: str, token_to_id: Any = None) -> ToolCallFormat:
@@ -266,37 +197,3 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None, fmt: ToolC
 
 def _arguments_text(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-
-
-class ToolCallStream:
-    """Splits a streamed answer into content deltas and whole tool calls as they complete."""
-
-    def __init__(self, fmt: ToolCallFormat):
-        self.fmt = fmt
-        self.text = ""
-        self.sent = 0  # characters of content sent
-        self.calls: list[ToolCall] = []  # the calls sent
-
-    def feed(self, delta: str, final: bool) -> tuple[str, list[ToolCall]]:
-        """The content and the calls to send now, given the next text (final: it is the last)."""
-        self.text += delta
-        content, calls, rest = self.fmt.split(self.text)
-        begun = len(content) < len(self.text)  # the calls have begun: the content before them is settled
-        end = len(content) if final or begun else len(content) - self.fmt.held_back(content)
-        new_content = content[self.sent:end]
-        self.sent = max(self.sent, end)
-        if begun and not new_content.strip():
-            new_content = ""
-        if final and rest.strip():  # an unfinished or malformed call, or text after the calls, stays visible
-            new_content += rest
-        new_calls = calls[len(self.calls):]
-        self.calls += new_calls
-        return new_content, new_calls
-
-
-def split_reply(text: str, fmt: ToolCallFormat) -> tuple[str | None, list[ToolCall]]:
-    """A whole answer as (content, tool calls); content None when the answer is only calls."""
-    content, calls, rest = fmt.split(text)
-    if not calls:
-        return text, []
-    return (content.strip() + rest).strip() or None, calls

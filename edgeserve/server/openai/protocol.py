@@ -252,6 +252,9 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # As llama.cpp's server: a leading <think> section comes apart as reasoning_content, or with "none" stays in
+    # the content as the model wrote it.
+    reasoning_format: Literal["auto", "deepseek", "none"] = "auto"
     modalities: list[Literal["text"]] | None = None
     functions: Any = None
     function_call: Any = None

@@ -1,7 +1,7 @@
 """Engine deltas in OpenAI's shapes: the chunks of a streamed chat or text completion, or its one body.
 
-Everything a client of these endpoints reads is built here: the envelope, the deltas (with tool calls
-whole once their text is complete), logprobs, usage, finish reasons, and the server-sent events.
+Everything a client of these endpoints reads is built here: the envelope, the deltas (tool calls streamed as
+they are written), logprobs, usage, finish reasons, and the server-sent events.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from edgeserve.engine.output import RequestOutput
 from edgeserve.server.errors import error_body
 from edgeserve.server.generation import Choice, Generation
 from edgeserve.text.tokenizer import Tokenizer
-from edgeserve.text.tool_calls import ToolCallFormat, ToolCallStream, split_reply
+from edgeserve.text.tool_calls import ToolCallFormat
+from edgeserve.text.tool_stream import AnswerEvents, CallArguments, CallStarted, ReasoningText, Text
 
 logger = logging.getLogger("edgeserve.server")
 
@@ -90,53 +91,64 @@ def completion_logprobs(entries: list[dict], tokenizer: Tokenizer, offset: int) 
 class ChatResponse:
     """A chat completion (`chat.completion`, or `chat.completion.chunk`s when streamed).
 
-    tool_format: how the answer writes tool calls, where the request offered tools; their text becomes
-    `tool_calls` entries, and an answer that made some ends with finish_reason "tool_calls".
+    Each answer is read by the tool-call state machine (`text.tool_stream`): its text is `content`, a leading
+    reasoning section `reasoning_content`, and its tool calls `tool_calls` (where the request offered tools,
+    tool_format), streamed as OpenAI streams them: a call's id, type, name and empty arguments first, then its
+    arguments in fragments as they are written. An answer that made calls ends with finish_reason "tool_calls".
     """
 
-    def __init__(self, gen: Generation, model: str, tokenizer: Tokenizer, tool_format: ToolCallFormat | None):
-        self.gen, self.model, self.tokenizer, self.tool_format = gen, model, tokenizer, tool_format
-        self._streams = {c.index: ToolCallStream(tool_format) for c in gen.choices} if tool_format else {}
-        self._calls = dict.fromkeys((c.index for c in gen.choices), 0)  # tool calls each answer holds so far
+    def __init__(self, gen: Generation, model: str, tokenizer: Tokenizer, tool_format: ToolCallFormat | None,
+                 reasoning: bool = True, in_reasoning: bool = False):
+        self.gen, self.model, self.tokenizer = gen, model, tokenizer
+        self._answers = {c.index: AnswerEvents(tool_format, reasoning, in_reasoning) for c in gen.choices}
 
     def finish_reason(self, c: Choice) -> str | None:
-        return "tool_calls" if self._calls[c.index] and c.finish_reason == "stop" else c.finish_reason
+        return "tool_calls" if self._answers[c.index].calls and c.finish_reason == "stop" else c.finish_reason
 
     def _logprobs(self, c: Choice, entries: list[dict]) -> dict | None:
         return chat_logprobs(entries, self.tokenizer) if c.params.logprobs is not None else None
 
     def message(self, c: Choice) -> dict:
-        """The whole answer as a chat message: content, and tool calls where it made some."""
-        text = "".join(c.text)
-        if self.tool_format is None:
-            return {"role": "assistant", "content": text}
-        content, calls = split_reply(text, self.tool_format)
-        self._calls[c.index] = len(calls)
+        """The whole answer as a chat message: content, reasoning, and tool calls where it made some."""
+        answer = self._answers[c.index]
+        answer.feed("".join(c.text))
+        answer.finish(cut=c.finish_reason == "length")
+        content = (answer.text.strip() or None) if answer.calls else answer.text
         message: dict = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [call.openai() for call in calls]
+        if answer.reasoning_text:
+            message["reasoning_content"] = answer.reasoning_text
+        if answer.calls:
+            message["tool_calls"] = [call.openai(call_id) for call, call_id in zip(answer.calls, answer.call_ids)]
         return message
 
     def body(self) -> dict:
         choices = []
         for c in self.gen.choices:
-            message = self.message(c)  # first: it counts the tool calls the finish reason depends on
+            message = self.message(c)  # first: it reads the tool calls the finish reason depends on
             choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c, c.logprobs),
                             "finish_reason": self.finish_reason(c)})
         return envelope(self.gen, "chat.completion", self.model, choices, usage=usage(self.gen))
 
-    def delta(self, c: Choice, out: RequestOutput) -> dict:
-        """The streamed delta for out: its content, and each tool call whole once its text is complete."""
-        stream = self._streams.get(c.index)
-        if stream is None:
-            return {"content": out.text} if out.text else {}
-        content, calls = stream.feed(out.text, out.finished)
-        delta: dict = {"content": content} if content else {}
-        if calls:
-            first = self._calls[c.index]
-            delta["tool_calls"] = [call.openai(index=first + i) for i, call in enumerate(calls)]
-            self._calls[c.index] += len(calls)
-        return delta
+    def deltas(self, c: Choice, out: RequestOutput) -> list[dict]:
+        """The streamed deltas out settles, in order (the tool-call state machine's events as OpenAI's deltas)."""
+        answer = self._answers[c.index]
+        events = answer.feed(out.text) + (answer.finish(cut=out.finish_reason == "length") if out.finished else [])
+        deltas: list[dict] = []
+        for event in events:
+            if isinstance(event, Text):
+                deltas.append({"content": event.text})
+            elif isinstance(event, ReasoningText):
+                deltas.append({"reasoning_content": event.text})
+            elif isinstance(event, CallStarted):
+                deltas.append({"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                               "function": {"name": event.name, "arguments": ""}}]})
+            elif isinstance(event, CallArguments):
+                last = deltas[-1]["tool_calls"][0] if deltas and "tool_calls" in deltas[-1] else None
+                if last is not None and last["index"] == event.index and "id" not in last:
+                    last["function"]["arguments"] += event.fragment
+                else:
+                    deltas.append({"tool_calls": [{"index": event.index, "function": {"arguments": event.fragment}}]})
+        return deltas
 
     async def events(self, include_usage: bool) -> AsyncIterator[str]:
         """The chunks as server-sent events: a role chunk per choice, the deltas, and the usage if asked for."""
@@ -149,11 +161,14 @@ class ChatResponse:
         for c in self.gen.choices:
             yield chunk(c.index, {"role": "assistant", "content": ""})
         async for c, out in self.gen.outputs():
-            want_logprobs = c.params.logprobs is not None and out.logprobs
-            delta = self.delta(c, out)
-            if delta or want_logprobs or out.finished:
-                yield chunk(c.index, delta, self._logprobs(c, out.logprobs) if want_logprobs else None,
-                            self.finish_reason(c) if out.finished else None)
+            logprobs = self._logprobs(c, out.logprobs) if c.params.logprobs is not None and out.logprobs else None
+            deltas = self.deltas(c, out)
+            if not deltas and (logprobs or out.finished):
+                deltas = [{}]
+            for i, delta in enumerate(deltas):
+                last = i == len(deltas) - 1
+                yield chunk(c.index, delta, logprobs if i == 0 else None,
+                            self.finish_reason(c) if out.finished and last else None)
         if include_usage:
             yield sse(envelope(self.gen, "chat.completion.chunk", self.model, [], usage=usage(self.gen)))
 

@@ -15,6 +15,9 @@ from edgeserve.server.errors import APIError
 from edgeserve.server.openai.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from edgeserve.server.openai.responses import ChatResponse, CompletionResponse, event_stream
 from edgeserve.text.chat_template import ChatTemplateError
+from edgeserve.text.tool_stream import opens_reasoning
+
+REASONING_TAIL_TOKENS = 8  # enough of a prompt's end to hold "<think>" and the newlines around it
 
 if TYPE_CHECKING:
     from edgeserve.server.app import Server
@@ -45,6 +48,10 @@ class _OpenAI:
             raise APIError(400, str(exc), param=body.api_param(exc.param), code="invalid_value") from exc
         return params
 
+    def _opens_reasoning(self, ids: list[int]) -> bool:
+        """Whether the rendered prompt opened a reasoning section for the answer (its last tokens say)."""
+        return opens_reasoning(self.aengine.tokenizer.decode(ids[-REASONING_TAIL_TOKENS:]))
+
     async def list_models(self) -> dict:
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": self.server.started, "owned_by": "edgeserve",
@@ -70,7 +77,8 @@ class _OpenAI:
             grammar = tool_format.grammar(forced, body.parallel_tool_calls and body.choice == "required")
         params = await self._params(body, max_tokens, body.num_logprobs, grammar)
         gen = server.start("chatcmpl", [ids], params, body.n, body.seed, body.stream)
-        response = ChatResponse(gen, server.model_name, self.aengine.tokenizer, tool_format if tools else None)
+        response = ChatResponse(gen, server.model_name, self.aengine.tokenizer, tool_format if tools else None,
+                                reasoning=body.reasoning_format != "none", in_reasoning=self._opens_reasoning(ids))
         if body.stream:
             return event_stream(response.events(body.include_usage))
         await gen.wait(request)
