@@ -6,8 +6,6 @@ they are written), logprobs, usage, finish reasons, and the server-sent events.
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,11 +14,10 @@ from fastapi.responses import StreamingResponse
 from edgeserve.engine.output import RequestOutput
 from edgeserve.server.errors import error_body
 from edgeserve.server.generation import Choice, Generation
+from edgeserve.server.sse import sse, sse_response
 from edgeserve.text.tokenizer import Tokenizer
 from edgeserve.text.tool_calls import ToolCallFormat
 from edgeserve.text.tool_stream import AnswerEvents, CallArguments, CallStarted, ReasoningText, Text
-
-logger = logging.getLogger("edgeserve.server")
 
 
 def usage(gen: Generation) -> dict:
@@ -37,25 +34,9 @@ def envelope(gen: Generation, object_: str, model: str, choices: list[dict], **e
             **extra}
 
 
-def sse(payload: dict | str) -> str:
-    """One server-sent event."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
-
-
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     """Server-sent events: the given ones, an error event if generation fails midway, then [DONE]."""
-
-    async def stream() -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield event
-        except Exception as exc:  # the status line has gone out already: tell the client in the stream
-            logger.error("stream failed: %s", exc)
-            yield sse(error_body(f"generation failed: {exc}", "server_error"))
-        yield sse("[DONE]")
-
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return sse_response(events, lambda exc: sse(error_body(f"generation failed: {exc}", "server_error")), sse("[DONE]"))
 
 
 def chat_logprobs(entries: list[dict], tokenizer: Tokenizer) -> dict:

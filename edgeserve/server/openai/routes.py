@@ -14,10 +14,6 @@ from edgeserve.sampling_params import InvalidParamsError, SamplingParams
 from edgeserve.server.errors import APIError
 from edgeserve.server.openai.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from edgeserve.server.openai.responses import ChatResponse, CompletionResponse, event_stream
-from edgeserve.text.chat_template import ChatTemplateError
-from edgeserve.text.tool_stream import opens_reasoning
-
-REASONING_TAIL_TOKENS = 8  # enough of a prompt's end to hold "<think>" and the newlines around it
 
 if TYPE_CHECKING:
     from edgeserve.server.app import Server
@@ -48,10 +44,6 @@ class _OpenAI:
             raise APIError(400, str(exc), param=body.api_param(exc.param), code="invalid_value") from exc
         return params
 
-    def _opens_reasoning(self, ids: list[int]) -> bool:
-        """Whether the rendered prompt opened a reasoning section for the answer (its last tokens say)."""
-        return opens_reasoning(self.aengine.tokenizer.decode(ids[-REASONING_TAIL_TOKENS:]))
-
     async def list_models(self) -> dict:
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": self.server.started, "owned_by": "edgeserve",
@@ -61,14 +53,8 @@ class _OpenAI:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> object:
         server = self.server
         server.check_model(body.model)
-        messages = [m.as_template_message() for m in body.messages]
-        server.check_text_length(sum(len(m["content"]) for m in messages), "messages")
         tools = body.offered_tools()
-        try:
-            ids = await self.aengine.chat_prompt(messages, tools)
-        except ChatTemplateError as exc:
-            raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
-        server.check_prompt(ids, "messages")
+        ids = await server.chat_prompt([m.as_template_message() for m in body.messages], tools, "messages")
         max_tokens = body.requested_max_tokens or self.aengine.info.max_model_len  # the engine caps it at the context
         tool_format = self.aengine.tool_format
         forced = body.forced_tools()
@@ -78,7 +64,7 @@ class _OpenAI:
         params = await self._params(body, max_tokens, body.num_logprobs, grammar)
         gen = server.start("chatcmpl", [ids], params, body.n, body.seed, body.stream)
         response = ChatResponse(gen, server.model_name, self.aengine.tokenizer, tool_format if tools else None,
-                                reasoning=body.reasoning_format != "none", in_reasoning=self._opens_reasoning(ids))
+                                reasoning=body.reasoning_format != "none", in_reasoning=server.opens_reasoning(ids))
         if body.stream:
             return event_stream(response.events(body.include_usage))
         await gen.wait(request)
