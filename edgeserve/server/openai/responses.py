@@ -1,4 +1,5 @@
-"""Engine deltas in OpenAI's shapes: the chunks of a streamed chat or text completion, or its one body.
+"""Engine deltas in OpenAI's shapes: the chunks of a streamed chat or text completion, or its one body, and the
+Responses API's response object and its streamed events.
 
 Everything a client of these endpoints reads is built here: the envelope, the deltas (tool calls streamed as
 they are written), logprobs, usage, finish reasons, and the server-sent events.
@@ -6,7 +7,8 @@ they are written), logprobs, usage, finish reasons, and the server-sent events.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -14,10 +16,19 @@ from fastapi.responses import StreamingResponse
 from edgeserve.engine.output import RequestOutput
 from edgeserve.server.errors import error_body
 from edgeserve.server.generation import Choice, Generation
+from edgeserve.server.openai.protocol import json_or_text
 from edgeserve.server.sse import sse, sse_response
 from edgeserve.text.tokenizer import Tokenizer
 from edgeserve.text.tool_calls import ToolCallFormat
-from edgeserve.text.tool_stream import AnswerEvents, CallArguments, CallStarted, ReasoningText, Text
+from edgeserve.text.tool_stream import (
+    AnswerEvents,
+    CallArguments,
+    CallEnded,
+    CallStarted,
+    Event,
+    ReasoningText,
+    Text,
+)
 
 
 def usage(gen: Generation) -> dict:
@@ -184,3 +195,164 @@ class CompletionResponse:
                 yield sse(envelope(self.gen, "text_completion", self.model, [choice], **extra))
         if include_usage:
             yield sse(envelope(self.gen, "text_completion", self.model, [], usage=usage(self.gen)))
+
+
+class ResponsesAnswer:
+    """A Responses API response: its output items (reasoning, message, function_call), as one body or as the
+    streamed events (response.created, response.in_progress, response.output_item.added, ….delta, ….done,
+    response.output_item.done, response.completed or response.incomplete).
+
+    echo: the request's settings the response object repeats. on_done(body, assistant message) is called once
+    the response is whole (to store it).
+    """
+
+    def __init__(self, gen: Generation, model: str, tool_format: ToolCallFormat | None, in_reasoning: bool,
+                 echo: dict[str, Any], on_done: Callable[[dict, dict], None] | None = None):
+        self.gen, self.model, self.echo, self.on_done = gen, model, echo, on_done
+        self.answer = AnswerEvents(tool_format, reasoning=True, in_reasoning=in_reasoning)
+        self.items = _OutputItems()
+
+    @property
+    def choice(self) -> Choice:
+        return self.gen.choices[0]
+
+    def response(self, status: str) -> dict:
+        """The response object as it stands (status "in_progress", "completed" or "incomplete")."""
+        done = status != "in_progress"
+        body = {"id": self.gen.response_id, "object": "response", "created_at": self.gen.created, "status": status,
+                "model": self.model, "output": self.items.done if done else [], "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                **self.echo}
+        if done:
+            body["usage"] = {"input_tokens": self.gen.prompt_tokens,
+                             "input_tokens_details": {"cached_tokens": self.gen.cached_tokens, "cache_write_tokens": 0},
+                             "output_tokens": self.gen.completion_tokens,
+                             "output_tokens_details": {"reasoning_tokens": 0},
+                             "total_tokens": self.gen.prompt_tokens + self.gen.completion_tokens}
+        return body
+
+    def _status(self) -> str:
+        return "incomplete" if self.choice.finish_reason == "length" else "completed"
+
+    def _finished(self) -> dict:
+        body = self.response(self._status())
+        if self.on_done is not None:
+            message: dict[str, Any] = {"role": "assistant", "content": self.answer.text}
+            if self.answer.calls:
+                message["tool_calls"] = [{"id": i, "type": "function", "function": {
+                    "name": c.name, "arguments": json_or_text(c.arguments)}}
+                    for c, i in zip(self.answer.calls, self.answer.call_ids)]
+            self.on_done(body, message)
+        return body
+
+    def body(self) -> dict:
+        events = self.answer.feed("".join(self.choice.text)) + self.answer.finish(cut=self._status() == "incomplete")
+        for event in events:
+            self.items.render(event)
+        self.items.close()
+        return self._finished()
+
+    async def events(self) -> AsyncIterator[str]:
+        """The streamed events, each with its sequence number."""
+        sequence = 0
+
+        def event(payload: dict) -> str:
+            nonlocal sequence
+            sequence += 1
+            return sse({**payload, "sequence_number": sequence - 1}, payload["type"])
+
+        yield event({"type": "response.created", "response": self.response("in_progress")})
+        yield event({"type": "response.in_progress", "response": self.response("in_progress")})
+        async for _, out in self.gen.outputs():
+            events = self.answer.feed(out.text)
+            if out.finished:
+                events += self.answer.finish(cut=out.finish_reason == "length")
+            for e in events:
+                for payload in self.items.render(e):
+                    yield event(payload)
+        for payload in self.items.close():
+            yield event(payload)
+        body = self._finished()
+        yield event({"type": f"response.{body['status']}", "response": body})
+
+
+class _OutputItems:
+    """The answer's events as Responses output items: one open at a time, added, filled by deltas, and done."""
+
+    def __init__(self) -> None:
+        self.done: list[dict] = []  # the finished items
+        self.item: dict | None = None  # the open one
+
+    @property
+    def index(self) -> int:
+        return len(self.done)
+
+    def close(self) -> list[dict]:
+        item, self.item = self.item, None
+        if item is None:
+            return []
+        where = {"item_id": item["id"], "output_index": self.index}
+        payloads = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            payloads += [{"type": "response.output_text.done", **where, "content_index": 0, "text": part["text"],
+                          "logprobs": []},
+                         {"type": "response.content_part.done", **where, "content_index": 0, "part": part}]
+        elif item["type"] == "reasoning":
+            payloads.append({"type": "response.reasoning_text.done", **where, "content_index": 0,
+                             "text": item["content"][0]["text"]})
+        elif item["type"] == "function_call":
+            payloads.append({"type": "response.function_call_arguments.done", **where, "name": item["name"],
+                             "arguments": item["arguments"]})
+        if item["status"] == "in_progress":
+            item["status"] = "completed"
+        payloads.append({"type": "response.output_item.done", "output_index": self.index, "item": item})
+        self.done.append(item)
+        return payloads
+
+    def _open(self, item: dict, added: dict) -> list[dict]:
+        payloads = self.close()
+        self.item = item
+        return payloads + [{"type": "response.output_item.added", "output_index": self.index, "item": added}]
+
+    def render(self, event: Event) -> list[dict]:
+        """The stream's payloads for event (without sequence numbers)."""
+        item = self.item
+        if isinstance(event, Text):
+            payloads = []
+            if item is None or item["type"] != "message":
+                new = {"id": _item_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+                       "content": []}
+                payloads = self._open({**new, "content": [{"type": "output_text", "text": "", "annotations": [],
+                                                           "logprobs": []}]}, new)
+                payloads.append({"type": "response.content_part.added", "item_id": new["id"],
+                                 "output_index": self.index, "content_index": 0,
+                                 "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
+            self.item["content"][0]["text"] += event.text
+            return payloads + [{"type": "response.output_text.delta", "item_id": self.item["id"],
+                                "output_index": self.index, "content_index": 0, "delta": event.text, "logprobs": []}]
+        if isinstance(event, ReasoningText):
+            payloads = []
+            if item is None or item["type"] != "reasoning":
+                new = {"id": _item_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress"}
+                payloads = self._open({**new, "content": [{"type": "reasoning_text", "text": ""}]}, new)
+            self.item["content"][0]["text"] += event.text
+            return payloads + [{"type": "response.reasoning_text.delta", "item_id": self.item["id"],
+                                "output_index": self.index, "content_index": 0, "delta": event.text}]
+        if isinstance(event, CallStarted):
+            new = {"id": _item_id("fc"), "type": "function_call", "call_id": event.id, "name": event.name,
+                   "arguments": "", "status": "in_progress"}
+            return self._open(new, dict(new))
+        if isinstance(event, CallArguments):
+            item["arguments"] += event.fragment
+            return [{"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                     "output_index": self.index, "delta": event.fragment}]
+        if isinstance(event, CallEnded):
+            if not event.complete:
+                item["status"] = "incomplete"
+            return self.close()
+        return []
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
