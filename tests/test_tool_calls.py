@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import llguidance
 import pytest
@@ -15,6 +16,7 @@ from edgeserve.text.tool_calls import (
     MistralFormat,
     ToolCall,
     format_for_template,
+    not_containing,
 )
 from edgeserve.text.tool_stream import read_answer
 
@@ -53,6 +55,29 @@ def test_written_calls_parse_back_and_the_grammar_takes_them(fmt, llt, loaded_mo
     assert not matches(llt, tokenizer, fmt.grammar([WEATHER], False), fmt.write([bad]))
     # JSON as the engine writes it: no free whitespace, which a small model could pour out without end
     assert not matches(llt, tokenizer, fmt.grammar([WEATHER], False), fmt.write(CALLS[:1]).replace(", ", ",\n  "))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_the_lazy_grammar_takes_text_or_calls_that_follow_the_schemas(fmt, llt, loaded_model) -> None:
+    tokenizer = loaded_model.tokenizer
+    grammar = fmt.lazy_grammar([WEATHER, TIME], True)
+    lead = "" if isinstance(fmt, Llama3Format) else "Let me look.\n"  # Llama 3's message is the call
+    for text in ("Paris is sunny.", "a < b and [c]", lead + fmt.write(CALLS[:1]), fmt.write(CALLS)):
+        assert matches(llt, tokenizer, grammar, text), text
+    # once opened, a call must follow a tool's schema
+    assert not matches(llt, tokenizer, grammar, fmt.write([ToolCall("get_weather", '{"city": 5}')]))
+    assert not matches(llt, tokenizer, grammar, fmt.write([ToolCall("get_news", '{"tz": "CET"}')]))
+    if not isinstance(fmt, Llama3Format):
+        assert not matches(llt, tokenizer, grammar, f"Sure {fmt.marker} no call here")
+    assert not matches(llt, tokenizer, fmt.lazy_grammar([WEATHER], False), fmt.write(CALLS[:1] * 2))
+
+
+def test_text_without_a_marker_is_every_text_the_marker_does_not_occur_in() -> None:
+    free = re.compile(not_containing("<tool_call>"))
+    for text in ("", "hello", "a <b> c", "<<tool", "x <tool_cal", "<tool_call", "<t<tool", "a<tool_callx>"):
+        assert free.fullmatch(text), text
+    for text in ("<tool_call>", "x<tool_call>y", "<t<tool_call>", "<<tool_call>"):
+        assert not free.fullmatch(text), text
 
 
 def test_the_format_comes_from_the_template() -> None:

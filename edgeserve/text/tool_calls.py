@@ -9,6 +9,7 @@ the calls out of an answer as it is written.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,27 @@ def partial_tag(text: str, tag: str) -> int:
     return 0
 
 
+def _class_char(ch: str) -> str:
+    """ch inside a regex character class."""
+    return "\\" + ch if ch in "\\[]^-&~" else ch
+
+
+def not_containing(marker: str) -> str:
+    """A regex (Rust's syntax) of the non-empty texts in which marker never occurs (they may end with its beginning).
+
+    Built from the marker's matching automaton, for markers whose first character occurs only there: from "matched
+    k characters", the next one goes on, back to one on the first character, else back to none.
+    """
+    first, rest = marker[0], marker[1:]
+    assert first not in rest, f"{marker!r}: the first character must not recur"
+    lit = re.escape
+    # From "matched one", the ways back to it without completing the marker, and the ways out to "matched none".
+    back = "|".join(lit(rest[:j]) + lit(first) for j in range(len(rest)))
+    out = "|".join(lit(rest[:j]) + f"[^{_class_char(rest[j])}{_class_char(first)}]" for j in range(len(rest)))
+    partial = "".join(f"({lit(ch)}" for ch in rest[:-1]) + ")?" * (len(rest) - 1)
+    return f"([^{_class_char(first)}]|{lit(first)}({back})*({out}))*({lit(first)}({back})*{partial})?"
+
+
 def _json_rule(schema: dict) -> str:
     """A Lark rule for JSON following schema, written as the engine writes JSON (JSON_OPTIONS)."""
     return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS}, ensure_ascii=False)}"
@@ -81,9 +103,26 @@ class ToolCallFormat:
         schemas = [_tool_schema(t, self.args_key) for t in tools]
         return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
-    def grammar(self, tools: list[dict], parallel: bool) -> str:
-        """A Lark grammar (llguidance's dialect) whose every sentence is one call, or several if parallel, of tools."""
+    @property
+    def marker_rule(self) -> str:
+        """The marker in a Lark grammar."""
+        return json.dumps(self.marker)
+
+    def tail_rules(self, tools: list[dict], parallel: bool) -> str:
+        """Lark rules (llguidance's dialect) whose `tail` is what follows the marker: one call of tools, or several if
+        parallel."""
         raise NotImplementedError
+
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
+        """A Lark grammar whose every sentence is one call, or several if parallel, of tools."""
+        return f"start: {self.marker_rule} tail\n{self.tail_rules(tools, parallel)}"
+
+    def lazy_grammar(self, tools: list[dict], parallel: bool) -> str:
+        """A Lark grammar for an answer that may call tools: free text, or text up to the marker and then calls that
+        follow the tools' schemas (the grammar binds only from the marker on)."""
+        free = not_containing(self.marker)
+        return (f"start: FREE? | open tail\nFREE: /{free}/\nopen[lazy]: /({free})?{re.escape(self.marker)}/\n"
+                f"{self.tail_rules(tools, parallel)}")
 
     def write(self, calls: list[ToolCall]) -> str:
         """Calls as the model would write them (for history in templates without tool support)."""
@@ -98,9 +137,10 @@ class HermesFormat(ToolCallFormat):
     name = "hermes"
     marker = "<tool_call>"
 
-    def grammar(self, tools: list[dict], parallel: bool) -> str:
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
-        return f'{start}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: {_json_rule(self.call_schema(tools))}\n'
+    def tail_rules(self, tools: list[dict], parallel: bool) -> str:
+        more = ' ("\\n<tool_call>" call)*' if parallel else ""
+        return (f'tail: call{more}\ncall: "\\n" body "\\n</tool_call>"\n'
+                f"body: {_json_rule(self.call_schema(tools))}\n")
 
     def write(self, calls: list[ToolCall]) -> str:
         return "\n".join(f'<tool_call>\n{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}\n</tool_call>'
@@ -113,13 +153,22 @@ class MistralFormat(ToolCallFormat):
 
     def __init__(self, marker_token: int | None = None):
         # Mistral's tokenizers hold the marker as one special token, which the grammar names by id.
-        self.marker_rule = f"<[{marker_token}]>" if marker_token is not None else json.dumps(self.marker)
+        self.marker_token = marker_token
 
-    def grammar(self, tools: list[dict], parallel: bool) -> str:
+    @property
+    def marker_rule(self) -> str:
+        return f"<[{self.marker_token}]>" if self.marker_token is not None else super().marker_rule
+
+    def tail_rules(self, tools: list[dict], parallel: bool) -> str:
         array = {"type": "array", "items": self.call_schema(tools), "minItems": 1}
         if not parallel:
             array["maxItems"] = 1
-        return f"start: {self.marker_rule} calls\ncalls: {_json_rule(array)}\n"
+        return f"tail: {_json_rule(array)}\n"
+
+    def lazy_grammar(self, tools: list[dict], parallel: bool) -> str:
+        if self.marker_token is not None:  # a special token, which no text spells: text is any text
+            return f"start: FREE? | FREE? {self.marker_rule} tail\nFREE: /(?s:.+)/\n{self.tail_rules(tools, parallel)}"
+        return super().lazy_grammar(tools, parallel)
 
     def write(self, calls: list[ToolCall]) -> str:
         items = ", ".join(f'{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}' for c in calls)
@@ -136,9 +185,16 @@ class Llama3Format(ToolCallFormat):
     marker = "<|python_tag|>"
     args_key = "parameters"
 
+    def tail_rules(self, tools: list[dict], parallel: bool) -> str:
+        more = ' ("; " call)*' if parallel else ""
+        return f"tail: call{more}\ncall: {_json_rule(self.call_schema(tools))}\n"
+
     def grammar(self, tools: list[dict], parallel: bool) -> str:
-        start = 'start: call ("; " call)*' if parallel else "start: call"
-        return f"{start}\ncall: {_json_rule(self.call_schema(tools))}\n"
+        return f"start: tail\n{self.tail_rules(tools, parallel)}"  # the marker is optional: left out
+
+    def lazy_grammar(self, tools: list[dict], parallel: bool) -> str:
+        # The call is the whole message: text is any message that does not open with one.
+        return f"start: FREE? | tail\nFREE: /[^{{<](?s:.*)/\n{self.tail_rules(tools, parallel)}"
 
     def write(self, calls: list[ToolCall]) -> str:
         return "; ".join(f'{{"name": {json.dumps(c.name)}, "parameters": {c.arguments}}}' for c in calls)
@@ -149,6 +205,14 @@ class Llama3Format(ToolCallFormat):
         if not stripped or self.marker.startswith(stripped[: len(self.marker)]):
             return len(content)
         return 0
+
+
+def tools_grammar(fmt: ToolCallFormat, tools: list[dict] | None, forced: bool, parallel: bool) -> str | None:
+    """The grammar of an answer offered tools: calls only where a call is forced, else text or calls that follow
+    the tools' schemas once opened; None without tools."""
+    if not tools:
+        return None
+    return fmt.grammar(tools, parallel) if forced else fmt.lazy_grammar(tools, parallel)
 
 
 def format_for_template(source: str, token_to_id: Any = None) -> ToolCallFormat:

@@ -170,8 +170,8 @@ class _Prompt(_Body):
 
     @property
     def parallel(self) -> bool:
-        """Whether a forced answer may use several tools."""
-        return self.choice == "any" and not self.tool_choice.disable_parallel_tool_use
+        """Whether the answer may use several tools."""
+        return self.choice != "tool" and not (self.tool_choice and self.tool_choice.disable_parallel_tool_use)
 
 
 class MessagesRequest(_Prompt):

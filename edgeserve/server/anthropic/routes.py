@@ -14,6 +14,7 @@ from edgeserve.sampling_params import InvalidParamsError
 from edgeserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from edgeserve.server.anthropic.responses import MessageResponse, event_stream
 from edgeserve.server.errors import APIError
+from edgeserve.text.tool_calls import tools_grammar
 
 if TYPE_CHECKING:
     from edgeserve.server.app import Server
@@ -39,8 +40,7 @@ class _Anthropic:
         tools = body.offered_tools()
         ids = await server.chat_prompt(body.template_messages(), tools, "messages")
         tool_format = self.aengine.tool_format
-        forced = body.forced_tools()
-        grammar = tool_format.grammar(forced, body.parallel) if forced else None
+        grammar = tools_grammar(tool_format, tools, body.forced_tools() is not None, body.parallel)
         try:
             params = body.sampling_params(grammar, self.aengine.info.sampling_defaults)
             await self.aengine.compile_grammar(params)

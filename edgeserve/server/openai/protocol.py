@@ -102,7 +102,7 @@ class _GenerationRequest(_Body):
                         defaults: SamplingDefaults | None = None) -> SamplingParams:
         """Raises InvalidParamsError (with the offending field) on values the engine refuses.
 
-        grammar: a Lark grammar the server adds (tool calls the request requires).
+        grammar: a Lark grammar the server adds (the tool calls' grammar, where the request offers tools).
         defaults: the model's sampling defaults, for the fields the request leaves out.
         """
         greedy = self.top_p == 0  # top_p 0 keeps only the most likely token
@@ -321,7 +321,7 @@ class ChatCompletionRequest(_GenerationRequest):
     def api_param(self, param: str | None) -> str | None:
         if param == "json_schema" and self.response_format is not None:
             return "response_format"
-        if param == "grammar" and self.forced_tools():
+        if param == "grammar" and self.offered_tools() and self.guided_grammar is None:
             return "tools"
         return super().api_param(param)
 

@@ -22,6 +22,7 @@ from edgeserve.server.openai.protocol import (
 from edgeserve.server.openai.response_store import ResponseStore, StoredResponse
 from edgeserve.server.openai.responses import ChatResponse, CompletionResponse, ResponsesAnswer, event_stream
 from edgeserve.server.sse import sse, sse_response
+from edgeserve.text.tool_calls import tools_grammar
 
 if TYPE_CHECKING:
     from edgeserve.server.app import Server
@@ -68,10 +69,11 @@ class _OpenAI:
         ids = await server.chat_prompt([m.as_template_message() for m in body.messages], tools, "messages")
         max_tokens = body.requested_max_tokens or self.aengine.info.max_model_len  # the engine caps it at the context
         tool_format = self.aengine.tool_format
-        forced = body.forced_tools()
-        grammar = None
-        if forced:
-            grammar = tool_format.grammar(forced, body.parallel_tool_calls and body.choice == "required")
+        forced = body.forced_tools() is not None
+        # Under tool_choice auto the calls follow the tools' schemas too, unless the answer has a grammar of its own.
+        free = all(v is None for v in body.constraint().values())
+        grammar = tools_grammar(tool_format, tools if forced or free else None, forced,
+                                body.parallel_tool_calls and body.choice != "named")
         params = await self._params(body, max_tokens, body.num_logprobs, grammar)
         gen = server.start("chatcmpl", [ids], params, body.n, body.seed, body.stream)
         response = ChatResponse(gen, server.model_name, self.aengine.tokenizer, tool_format if tools else None,
@@ -117,8 +119,9 @@ class _OpenAI:
         tools = body.offered_tools()
         ids = await server.chat_prompt(instructions + conversation, tools, "input")
         tool_format = self.aengine.tool_format
-        forced = body.forced_tools()
-        grammar = tool_format.grammar(forced, body.parallel_tool_calls and body.choice == "required") if forced else None
+        forced = body.forced_tools() is not None
+        grammar = tools_grammar(tool_format, tools if forced or body.output_schema is None else None, forced,
+                                body.parallel_tool_calls and body.choice != "named")
         max_tokens = body.max_output_tokens or self.aengine.info.max_model_len
         try:
             params = body.sampling_params(max_tokens, grammar, self.aengine.info.sampling_defaults)
