@@ -10,11 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from edgeserve.config import EngineConfig
-from edgeserve.engine.async_engine import AsyncEngine
-from edgeserve.engine.llm_engine import LLMEngine
-from edgeserve.server.app import create_app
-from loopback import ServerThread
+from loopback import serving
 
 KEY = "secret"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
@@ -24,11 +20,8 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def url(tiny_model) -> Iterator[str]:
-    aengine = AsyncEngine(LLMEngine(tiny_model, EngineConfig(backend="numpy", kv_memory="16MiB")))
-    server = ServerThread(create_app(aengine, "tiny", api_key=KEY))
-    yield server.url
-    server.stop()
-    aengine.shutdown()
+    with serving(tiny_model, "tiny", kv_memory="16MiB", api_key=KEY) as server:
+        yield server.url
 
 
 def post(url: str, path: str, body: dict, headers: dict | None = None) -> httpx.Response:

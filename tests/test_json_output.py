@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 import numpy as np
 import openai
 import pytest
 from click.testing import CliRunner
 
-from cli.main import cli
+from edgeserve.cli.main import cli
 from edgeserve.config import EngineConfig
-from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.json_numbers import MAX_EXPONENT_DIGITS, MAX_MANTISSA_DIGITS, NumberBound, NumberScanner
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.sampling_params import SamplingParams
-from edgeserve.server.app import create_app
-from loopback import ServerThread
+from loopback import ServerThread, serving
 
 # "Reason first, then answer": the order is the point, and neither key comes first alphabetically.
 REASONING_FIRST = {"type": "object", "properties": {"reasoning": {"type": "string", "maxLength": 80},
@@ -74,12 +73,9 @@ def test_a_schema_keeps_its_written_key_order_in_the_grammar_text() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(loaded_model):
-    aengine = AsyncEngine(LLMEngine(loaded_model, EngineConfig(backend="numpy", kv_memory="128MiB")))
-    thread = ServerThread(create_app(aengine, "model"))
-    yield thread
-    thread.stop()
-    aengine.shutdown()
+def server(loaded_model) -> Iterator[ServerThread]:
+    with serving(loaded_model, "model") as thread:
+        yield thread
 
 
 def keys_in_order(text: str) -> list[str]:

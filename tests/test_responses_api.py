@@ -10,11 +10,7 @@ import openai
 import pydantic
 import pytest
 
-from edgeserve.config import EngineConfig
-from edgeserve.engine.async_engine import AsyncEngine
-from edgeserve.engine.llm_engine import LLMEngine
-from edgeserve.server.app import create_app
-from loopback import ServerThread
+from loopback import serving
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
@@ -26,11 +22,8 @@ FORCED = {"type": "function", "name": "get_weather"}
 
 @pytest.fixture(scope="module")
 def client(loaded_model) -> Iterator[openai.OpenAI]:
-    aengine = AsyncEngine(LLMEngine(loaded_model, EngineConfig(backend="numpy", kv_memory="128MiB")))
-    thread = ServerThread(create_app(aengine, "model"))
-    yield openai.OpenAI(base_url=thread.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    thread.stop()
-    aengine.shutdown()
+    with serving(loaded_model, "model") as server:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def test_create_answers_and_is_stored(client: openai.OpenAI) -> None:

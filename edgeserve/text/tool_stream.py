@@ -250,7 +250,10 @@ class AnswerEvents:
             self.buffer = rest
             self.mode = "header"
             return True
-        # Not a call after all: what follows the marker is text.
+        return self._to_text(rest)  # not a call after all: what follows the marker is text
+
+    def _to_text(self, rest: str) -> bool:
+        """Go on reading rest as text."""
         self.buffer = rest
         self._marked = False
         self.mode = "text"
@@ -352,10 +355,7 @@ class AnswerEvents:
             elif not rest and not final:
                 self.buffer = ""
                 return False
-        self._marked = False
-        self.buffer = rest
-        self.mode = "text"
-        return True
+        return self._to_text(rest)
 
 
 def read_answer(text: str, fmt: ToolCallFormat | None, reasoning: bool = True, in_reasoning: bool = False,

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from edgeserve.sampling_params import SamplingDefaults, SamplingParams
-from edgeserve.server.openai.protocol import Text
+from edgeserve.server.openai.protocol import Text, check_unique_names, offered
 
 
 class _Body(BaseModel):
@@ -126,9 +126,7 @@ class _Prompt(_Body):
     @field_validator("tools")
     @classmethod
     def _unique_names(cls, value: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
-        names = [t.name for t in value or []]
-        if len(set(names)) < len(names):
-            raise ValueError("tool names must be unique")
+        check_unique_names([t.name for t in value or []])
         return value
 
     @model_validator(mode="after")
@@ -157,12 +155,8 @@ class _Prompt(_Body):
 
     def offered_tools(self) -> list[dict] | None:
         """The tools the model sees, as {"type": "function", "function": {...}} dicts; None without or with none."""
-        if not self.tools or self.choice == "none":
-            return None
-        tools = [t.openai() for t in self.tools]
-        if self.choice == "tool":
-            tools = [t for t in tools if t["function"]["name"] == self.tool_choice.name]
-        return tools
+        name = self.tool_choice.name if self.choice == "tool" else None
+        return offered([t.openai() for t in self.tools or []], self.choice, name)
 
     def forced_tools(self) -> list[dict] | None:
         """The tools one of which the answer must use (tool_choice any or tool), else None."""

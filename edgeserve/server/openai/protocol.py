@@ -197,6 +197,19 @@ def json_or_text(text: str) -> Any:
         return text
 
 
+def check_unique_names(names: list[str]) -> None:
+    """ValueError where two tools share a name."""
+    if len(set(names)) < len(names):
+        raise ValueError("tool names must be unique")
+
+
+def offered(tools: list[dict], choice: str, name: str | None) -> list[dict] | None:
+    """The tools (chat-shaped dicts) the model sees: none under tool_choice "none", only the one a choice names."""
+    if not tools or choice == "none":
+        return None
+    return [t for t in tools if t["function"]["name"] == name] if name is not None else tools
+
+
 class FunctionDefinition(_Body):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: Text | None = None
@@ -283,9 +296,7 @@ class ChatCompletionRequest(_GenerationRequest):
     @field_validator("tools")
     @classmethod
     def _unique_names(cls, value: list[Tool] | None) -> list[Tool] | None:
-        names = [t.function.name for t in value or []]
-        if len(set(names)) < len(names):
-            raise ValueError("function names must be unique")
+        check_unique_names([t.function.name for t in value or []])
         return value
 
     @field_validator("tool_choice")
@@ -307,12 +318,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def offered_tools(self) -> list[dict] | None:
         """The tools the model sees, as {"type": "function", "function": {...}} dicts; None with tool_choice none."""
-        if not self.tools or self.choice == "none":
-            return None
-        tools = [t.model_dump(exclude_none=True) for t in self.tools]
-        if self.choice == "named":
-            tools = [t for t in tools if t["function"]["name"] == self.tool_choice.function.name]
-        return tools
+        name = self.tool_choice.function.name if self.choice == "named" else None
+        return offered([t.model_dump(exclude_none=True) for t in self.tools or []], self.choice, name)
 
     def forced_tools(self) -> list[dict] | None:
         """The tools one of which the answer must call (tool_choice required or named), else None."""
@@ -517,9 +524,7 @@ class ResponsesRequest(_Body):
     @field_validator("tools")
     @classmethod
     def _unique_names(cls, value: list[FunctionTool] | None) -> list[FunctionTool] | None:
-        names = [t.name for t in value or []]
-        if len(set(names)) < len(names):
-            raise ValueError("function names must be unique")
+        check_unique_names([t.name for t in value or []])
         return value
 
     @model_validator(mode="after")
@@ -542,12 +547,8 @@ class ResponsesRequest(_Body):
 
     def offered_tools(self) -> list[dict] | None:
         """The tools the model sees, in the chat shape; None without tools or with tool_choice none."""
-        if not self.tools or self.choice == "none":
-            return None
-        tools = [t.chat_tool() for t in self.tools]
-        if self.choice == "named":
-            tools = [t for t in tools if t["function"]["name"] == self.tool_choice.name]
-        return tools
+        name = self.tool_choice.name if self.choice == "named" else None
+        return offered([t.chat_tool() for t in self.tools or []], self.choice, name)
 
     def forced_tools(self) -> list[dict] | None:
         return self.offered_tools() if self.choice in ("required", "named") else None
