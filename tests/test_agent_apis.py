@@ -3,6 +3,8 @@ and errors, over real HTTP. A forced tool call keeps the random model's answer a
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from collections.abc import Iterator
 
@@ -117,6 +119,38 @@ def test_a_response_chains_on_its_previous_one(url: str) -> None:
     alone = post(url, "/v1/responses", {"model": "tiny", "max_output_tokens": 3, "input": "Weather in Paris?"}).json()
     # the previous input, its call and the call's output are all in the prompt
     assert chained["usage"]["input_tokens"] == whole["usage"]["input_tokens"] > alone["usage"]["input_tokens"] + 20
-    assert chained["status"] == "incomplete" and chained["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert chained["previous_response_id"] == first["id"]
     missing = post(url, "/v1/responses", {"input": "hi", "previous_response_id": "resp-gone"})
     assert missing.status_code == 404 and "previous_response_id" == missing.json()["error"]["param"]
+
+
+# A template that opens the answer's reasoning section, as Qwen 3's and DeepSeek-R1's do.
+REASONING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def reasoning_url(tiny_model) -> Iterator[str]:
+    tokenizer = copy.copy(tiny_model.tokenizer)
+    tokenizer.chat_template = REASONING_TEMPLATE
+    with serving(dataclasses.replace(tiny_model, tokenizer=tokenizer), "tiny", kv_memory="16MiB") as server:
+        yield server.url
+
+
+def test_a_grammar_binds_after_the_reasoning_section_the_prompt_opened(reasoning_url: str) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    reply = post(reasoning_url, "/v1/chat/completions",
+                 {"messages": ASK, "max_tokens": 12, "response_format": fmt, "temperature": 0}, {}).json()
+    message = reply["choices"][0]["message"]
+    # the random model reasons on, its thoughts free as without the format (the grammar waits for their end),
+    # and they come apart, not as content
+    free = post(reasoning_url, "/v1/chat/completions", {"messages": ASK, "max_tokens": 12, "temperature": 0}, {})
+    assert reply["choices"][0]["finish_reason"] == "length" and not message["content"]
+    thought, free_thought = message["reasoning_content"], free.json()["choices"][0]["message"]["reasoning_content"]
+    # (the grammar still rules out special tokens, which the free answer may pick later on)
+    assert len(thought) >= 10 and thought[:4] == free_thought[:4] and not thought.startswith("{")
+    inline = post(reasoning_url, "/v1/chat/completions",
+                  {"messages": ASK, "max_tokens": 12, "temperature": 0, "reasoning_format": "none"}, {}).json()
+    assert inline["choices"][0]["message"]["content"] and "reasoning_content" not in inline["choices"][0]["message"]

@@ -15,6 +15,7 @@ from edgeserve.text.tool_calls import (
     Llama3Format,
     MistralFormat,
     ToolCall,
+    after_reasoning,
     format_for_template,
     not_containing,
 )
@@ -70,6 +71,20 @@ def test_the_lazy_grammar_takes_text_or_calls_that_follow_the_schemas(fmt, llt, 
     if not isinstance(fmt, Llama3Format):
         assert not matches(llt, tokenizer, grammar, f"Sure {fmt.marker} no call here")
     assert not matches(llt, tokenizer, fmt.lazy_grammar([WEATHER], False), fmt.write(CALLS[:1] * 2))
+
+
+def test_a_grammar_after_reasoning_lets_the_thoughts_end_first(llt, loaded_model) -> None:
+    tokenizer = loaded_model.tokenizer
+    schema = WEATHER["function"]["parameters"]
+    grammar = after_reasoning("json_schema", json.dumps(schema))
+    answer = '{"city": "Paris", "unit": "c"}'
+    for text in (f"Paris, then. </b> is no end.</think>\n\n{answer}", f"</think>{answer}"):
+        assert matches(llt, tokenizer, grammar, text), text
+    assert not matches(llt, tokenizer, grammar, answer)  # the section must end first
+    assert not matches(llt, tokenizer, grammar, "Hmm.</think>\nSunny.")  # and then the grammar binds
+    calls = after_reasoning("lark", HermesFormat().grammar([WEATHER], False))
+    assert matches(llt, tokenizer, calls, "Hmm.</think>\n" + HermesFormat().write(CALLS[:1]))
+    assert after_reasoning("regex", "[a-z]+") is None
 
 
 def test_text_without_a_marker_is_every_text_the_marker_does_not_occur_in() -> None:

@@ -25,6 +25,7 @@ from edgeserve.server.generation import Choice, Generation
 from edgeserve.server.metrics import ServerMetrics
 from edgeserve.server.middleware import Gate, HostGuard, host_name
 from edgeserve.text.chat_template import ChatTemplateError
+from edgeserve.text.tool_calls import after_reasoning
 from edgeserve.text.tool_stream import opens_reasoning
 
 # A token spells at most a few dozen characters in any real vocabulary, so a text this many times
@@ -99,6 +100,13 @@ class Server:
     def opens_reasoning(self, ids: list[int]) -> bool:
         """Whether a rendered prompt opened a reasoning section for the answer (its last tokens say)."""
         return opens_reasoning(self.aengine.tokenizer.decode(ids[-REASONING_TAIL_TOKENS:]))
+
+    @staticmethod
+    def after_reasoning(params: SamplingParams, in_reasoning: bool) -> SamplingParams:
+        """params, their grammar (JSON or Lark) binding only once the reasoning section the prompt opened ends."""
+        constraint = params.constraint
+        grammar = after_reasoning(*constraint) if in_reasoning and constraint is not None else None
+        return params if grammar is None else dataclasses.replace(params, json_schema=None, grammar=grammar)
 
     def check_open(self) -> None:
         if self.draining:

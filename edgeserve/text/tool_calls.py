@@ -215,6 +215,22 @@ def tools_grammar(fmt: ToolCallFormat, tools: list[dict] | None, forced: bool, p
     return fmt.grammar(tools, parallel) if forced else fmt.lazy_grammar(tools, parallel)
 
 
+REASONING_END = "</think>"
+
+
+def after_reasoning(kind: str, source: str) -> str | None:
+    """A Lark grammar that lets a reasoning section the prompt opened run to its end, then binds the constraint
+    (kind "json_schema" or "lark", as `SamplingParams.constraint`); None for a kind it cannot follow (a regex)."""
+    if kind == "json_schema":
+        answer = f"answer: {_json_rule(json.loads(source))}\n"
+    elif kind == "lark":
+        answer = re.sub(r"^start(\s*):", r"answer\1:", source, count=1, flags=re.MULTILINE)
+    else:
+        return None
+    thought = f"({not_containing(REASONING_END)})?{re.escape(REASONING_END)}".replace("/", "\\/")
+    return f"start: thought GAP answer\nthought[lazy]: /{thought}/\nGAP: /[ \\t\\n]*/\n{answer}"
+
+
 def format_for_template(source: str, token_to_id: Any = None) -> ToolCallFormat:
     """The tool-call format a chat template's source writes; Hermes where it shows none.
 

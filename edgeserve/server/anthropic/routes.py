@@ -41,14 +41,16 @@ class _Anthropic:
         ids = await server.chat_prompt(body.template_messages(), tools, "messages")
         tool_format = self.aengine.tool_format
         grammar = tools_grammar(tool_format, tools, body.forced_tools() is not None, body.parallel)
+        in_reasoning = server.opens_reasoning(ids)
         try:
-            params = body.sampling_params(grammar, self.aengine.info.sampling_defaults)
+            params = server.after_reasoning(body.sampling_params(grammar, self.aengine.info.sampling_defaults),
+                                            in_reasoning)
             await self.aengine.compile_grammar(params)
         except InvalidParamsError as exc:
             param = "tools" if exc.param == "grammar" else exc.param
             raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from exc
         gen = server.start("msg", [ids], params, 1, None, body.stream)
-        response = MessageResponse(gen, server.model_name, tool_format if tools else None, server.opens_reasoning(ids))
+        response = MessageResponse(gen, server.model_name, tool_format if tools else None, in_reasoning)
         if body.stream:
             return event_stream(response.events())
         await gen.wait(request)

@@ -47,10 +47,12 @@ class _OpenAI:
         self.stored = ResponseStore()
 
     async def _params(self, body: ChatCompletionRequest | CompletionRequest, max_tokens: int, logprobs: int | None,
-                      grammar: str | None = None) -> SamplingParams:
-        """The body's sampling parameters, with their grammar compiled; a 400 naming the field at fault."""
+                      grammar: str | None = None, in_reasoning: bool = False) -> SamplingParams:
+        """The body's sampling parameters, with their grammar compiled (to bind after the reasoning section where
+        the prompt opened one); a 400 naming the field at fault."""
         try:
             params = body.sampling_params(max_tokens, logprobs, grammar, self.aengine.info.sampling_defaults)
+            params = self.server.after_reasoning(params, in_reasoning)
             await self.aengine.compile_grammar(params)
         except InvalidParamsError as exc:
             raise APIError(400, str(exc), param=body.api_param(exc.param), code="invalid_value") from exc
@@ -74,10 +76,11 @@ class _OpenAI:
         free = all(v is None for v in body.constraint().values())
         grammar = tools_grammar(tool_format, tools if forced or free else None, forced,
                                 body.parallel_tool_calls and body.choice != "named")
-        params = await self._params(body, max_tokens, body.num_logprobs, grammar)
+        in_reasoning = server.opens_reasoning(ids)
+        params = await self._params(body, max_tokens, body.num_logprobs, grammar, in_reasoning)
         gen = server.start("chatcmpl", [ids], params, body.n, body.seed, body.stream)
         response = ChatResponse(gen, server.model_name, self.aengine.tokenizer, tool_format if tools else None,
-                                reasoning=body.reasoning_format != "none", in_reasoning=server.opens_reasoning(ids))
+                                reasoning=body.reasoning_format != "none", in_reasoning=in_reasoning)
         if body.stream:
             return event_stream(response.events(body.include_usage))
         await gen.wait(request)
@@ -123,8 +126,10 @@ class _OpenAI:
         grammar = tools_grammar(tool_format, tools if forced or body.output_schema is None else None, forced,
                                 body.parallel_tool_calls and body.choice != "named")
         max_tokens = body.max_output_tokens or self.aengine.info.max_model_len
+        in_reasoning = server.opens_reasoning(ids)
         try:
             params = body.sampling_params(max_tokens, grammar, self.aengine.info.sampling_defaults)
+            params = server.after_reasoning(params, in_reasoning)
             await self.aengine.compile_grammar(params)
         except InvalidParamsError as exc:
             param = {"json_schema": "text.format", "grammar": "tools"}.get(exc.param, exc.param)
@@ -141,8 +146,7 @@ class _OpenAI:
             if body.store:
                 self.stored.put(StoredResponse(response, [*conversation, message]))
 
-        answer = ResponsesAnswer(gen, server.model_name, tool_format if tools else None, server.opens_reasoning(ids),
-                                 echo, store)
+        answer = ResponsesAnswer(gen, server.model_name, tool_format if tools else None, in_reasoning, echo, store)
         if body.stream:
             return sse_response(answer.events(), lambda exc: sse(
                 {"type": "error", "code": "server_error", "message": f"generation failed: {exc}", "param": None},
