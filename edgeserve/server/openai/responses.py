@@ -211,6 +211,7 @@ class ResponsesAnswer:
         self.gen, self.model, self.echo, self.on_done = gen, model, echo, on_done
         self.answer = AnswerEvents(tool_format, reasoning=True, in_reasoning=in_reasoning)
         self.items = _OutputItems()
+        self._sequence = 0  # events streamed
 
     @property
     def choice(self) -> Choice:
@@ -252,14 +253,19 @@ class ResponsesAnswer:
         self.items.close()
         return self._finished()
 
+    def _event(self, payload: dict) -> str:
+        """One streamed event, with the next sequence number."""
+        self._sequence += 1
+        return sse({**payload, "sequence_number": self._sequence - 1}, payload["type"])
+
+    def stream(self) -> StreamingResponse:
+        """The streamed events, with an error event if generation fails midway."""
+        return sse_response(self.events(), lambda exc: self._event(
+            {"type": "error", "code": "server_error", "message": f"generation failed: {exc}", "param": None}))
+
     async def events(self) -> AsyncIterator[str]:
         """The streamed events, each with its sequence number."""
-        sequence = 0
-
-        def event(payload: dict) -> str:
-            nonlocal sequence
-            sequence += 1
-            return sse({**payload, "sequence_number": sequence - 1}, payload["type"])
+        event = self._event
 
         yield event({"type": "response.created", "response": self.response("in_progress")})
         yield event({"type": "response.in_progress", "response": self.response("in_progress")})

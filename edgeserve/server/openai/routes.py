@@ -21,7 +21,6 @@ from edgeserve.server.openai.protocol import (
 )
 from edgeserve.server.openai.response_store import ResponseStore, StoredResponse
 from edgeserve.server.openai.responses import ChatResponse, CompletionResponse, ResponsesAnswer, event_stream
-from edgeserve.server.sse import sse, sse_response
 from edgeserve.text.tool_calls import tools_grammar
 
 if TYPE_CHECKING:
@@ -148,9 +147,7 @@ class _OpenAI:
 
         answer = ResponsesAnswer(gen, server.model_name, tool_format if tools else None, in_reasoning, echo, store)
         if body.stream:
-            return sse_response(answer.events(), lambda exc: sse(
-                {"type": "error", "code": "server_error", "message": f"generation failed: {exc}", "param": None},
-                "error"))
+            return answer.stream()
         await gen.wait(request)
         return answer.body()
 
