@@ -108,6 +108,9 @@ class SamplingParams:
     json_schema: dict[str, Any] | str | None = None  # a JSON Schema (as a dict or JSON text)
     regex: str | None = None
     grammar: str | None = None  # a Lark grammar (llguidance's dialect, which may embed %json {...})
+    # The grammar binds only once the output writes this text, from the token where it begins (a tool call's
+    # marker); until then the output is free.
+    grammar_trigger: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -135,6 +138,8 @@ class SamplingParams:
              "values must be between -100 and 100"),
             (sum(x is not None for x in (self.json_schema, self.regex, self.grammar)) <= 1, "json_schema",
              "cannot be combined with regex or grammar: give one of them"),
+            (self.grammar_trigger is None or (self.grammar is not None and self.grammar_trigger != ""),
+             "grammar_trigger", "must be a non-empty text, with a grammar"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -41,7 +41,8 @@ def sse_events(text: str) -> list[tuple[str | None, dict]]:
 
 # A character tokenizer spells the call markup token by token: room for it.
 MESSAGE = {"model": "tiny", "max_tokens": 200, "messages": ASK,
-           "tools": [{"name": "get_weather", "input_schema": SCHEMA}], "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
+           "tools": [{"name": "get_weather", "input_schema": SCHEMA}],
+           "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
 
 
 def test_a_message_streams_its_tool_use_in_anthropic_events(url: str) -> None:
@@ -114,8 +115,8 @@ def test_a_response_chains_on_its_previous_one(url: str) -> None:
     output = {"type": "function_call_output", "call_id": call["call_id"], "output": "21 C"}
     chained = post(url, "/v1/responses", {"model": "tiny", "input": [output], "max_output_tokens": 3,
                                           "previous_response_id": first["id"]}).json()
-    whole = post(url, "/v1/responses", {"model": "tiny", "max_output_tokens": 3,
-                                        "input": [{"role": "user", "content": "Weather in Paris?"}, call, output]}).json()
+    items = [{"role": "user", "content": "Weather in Paris?"}, call, output]
+    whole = post(url, "/v1/responses", {"model": "tiny", "max_output_tokens": 3, "input": items}).json()
     alone = post(url, "/v1/responses", {"model": "tiny", "max_output_tokens": 3, "input": "Weather in Paris?"}).json()
     # the previous input, its call and the call's output are all in the prompt
     assert chained["usage"]["input_tokens"] == whole["usage"]["input_tokens"] > alone["usage"]["input_tokens"] + 20

@@ -18,6 +18,7 @@ from edgeserve.text.tool_calls import (
     after_reasoning,
     format_for_template,
     not_containing,
+    tools_grammar,
 )
 from edgeserve.text.tool_stream import read_answer
 
@@ -58,19 +59,28 @@ def test_written_calls_parse_back_and_the_grammar_takes_them(fmt, llt, loaded_mo
     assert not matches(llt, tokenizer, fmt.grammar([WEATHER], False), fmt.write(CALLS[:1]).replace(", ", ",\n  "))
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_the_lazy_grammar_takes_text_or_calls_that_follow_the_schemas(fmt, llt, loaded_model) -> None:
+@pytest.mark.parametrize("fmt", [HermesFormat(), MistralFormat()], ids=lambda f: f.name)
+def test_the_triggered_grammar_binds_calls_from_their_marker_on(fmt, llt, loaded_model) -> None:
     tokenizer = loaded_model.tokenizer
-    grammar = fmt.lazy_grammar([WEATHER, TIME], True)
-    lead = "" if isinstance(fmt, Llama3Format) else "Let me look.\n"  # Llama 3's message is the call
-    for text in ("Paris is sunny.", "a < b and [c]", lead + fmt.write(CALLS[:1]), fmt.write(CALLS)):
+    grammar, trigger = fmt.triggered_grammar([WEATHER, TIME], True)
+    assert trigger == fmt.marker
+    # it is fed from the token where the marker begins, which may hold text before it
+    for text in ("Let me look.\n" + fmt.write(CALLS[:1]), fmt.write(CALLS), " " + fmt.write(CALLS[:1])):
         assert matches(llt, tokenizer, grammar, text), text
     # once opened, a call must follow a tool's schema
     assert not matches(llt, tokenizer, grammar, fmt.write([ToolCall("get_weather", '{"city": 5}')]))
     assert not matches(llt, tokenizer, grammar, fmt.write([ToolCall("get_news", '{"tz": "CET"}')]))
-    if not isinstance(fmt, Llama3Format):
-        assert not matches(llt, tokenizer, grammar, f"Sure {fmt.marker} no call here")
-    assert not matches(llt, tokenizer, fmt.lazy_grammar([WEATHER], False), fmt.write(CALLS[:1] * 2))
+    assert not matches(llt, tokenizer, grammar, f"Sure {fmt.marker} no call here")
+    single, _ = fmt.triggered_grammar([WEATHER], False)
+    assert not matches(llt, tokenizer, single, fmt.write(CALLS[:1] * 2))
+
+
+def test_formats_without_a_text_marker_have_no_trigger() -> None:
+    assert Llama3Format().triggered_grammar([WEATHER], True) is None
+    assert MistralFormat(marker_token=5).triggered_grammar([WEATHER], True) is None
+    assert tools_grammar(Llama3Format(), [WEATHER], False, True) == (None, None)
+    assert tools_grammar(HermesFormat(), [WEATHER], True, True) == (HermesFormat().grammar([WEATHER], True), None)
+    assert tools_grammar(HermesFormat(), None, True, True) == (None, None)
 
 
 def test_a_grammar_after_reasoning_lets_the_thoughts_end_first(llt, loaded_model) -> None:

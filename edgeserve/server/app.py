@@ -103,9 +103,11 @@ class Server:
 
     @staticmethod
     def after_reasoning(params: SamplingParams, in_reasoning: bool) -> SamplingParams:
-        """params, their grammar (JSON or Lark) binding only once the reasoning section the prompt opened ends."""
+        """params, their grammar (JSON or Lark) binding only once the reasoning section the prompt opened ends (a
+        grammar with a trigger waits for it anyway)."""
         constraint = params.constraint
-        grammar = after_reasoning(*constraint) if in_reasoning and constraint is not None else None
+        waits = params.grammar_trigger is not None
+        grammar = after_reasoning(*constraint) if in_reasoning and constraint is not None and not waits else None
         return params if grammar is None else dataclasses.replace(params, json_schema=None, grammar=grammar)
 
     def check_open(self) -> None:

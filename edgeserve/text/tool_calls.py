@@ -117,12 +117,12 @@ class ToolCallFormat:
         """A Lark grammar whose every sentence is one call, or several if parallel, of tools."""
         return f"start: {self.marker_rule} tail\n{self.tail_rules(tools, parallel)}"
 
-    def lazy_grammar(self, tools: list[dict], parallel: bool) -> str:
-        """A Lark grammar for an answer that may call tools: free text, or text up to the marker and then calls that
-        follow the tools' schemas (the grammar binds only from the marker on)."""
-        free = not_containing(self.marker)
-        return (f"start: FREE? | open tail\nFREE: /{free}/\nopen[lazy]: /({free})?{re.escape(self.marker)}/\n"
-                f"{self.tail_rules(tools, parallel)}")
+    def triggered_grammar(self, tools: list[dict], parallel: bool) -> tuple[str, str] | None:
+        """(grammar, trigger) for an answer that may call tools: the grammar binds once the answer writes the
+        trigger (the marker), from the token where it begins: any text up to the marker, then calls that follow
+        the tools' schemas. None where the marker is no text to watch for."""
+        lead = f"({not_containing(self.marker)})?{re.escape(self.marker)}"
+        return f"start: lead tail\nlead[lazy]: /{lead}/\n{self.tail_rules(tools, parallel)}", self.marker
 
     def write(self, calls: list[ToolCall]) -> str:
         """Calls as the model would write them (for history in templates without tool support)."""
@@ -165,10 +165,10 @@ class MistralFormat(ToolCallFormat):
             array["maxItems"] = 1
         return f"tail: {_json_rule(array)}\n"
 
-    def lazy_grammar(self, tools: list[dict], parallel: bool) -> str:
-        if self.marker_token is not None:  # a special token, which no text spells: text is any text
-            return f"start: FREE? | FREE? {self.marker_rule} tail\nFREE: /(?s:.+)/\n{self.tail_rules(tools, parallel)}"
-        return super().lazy_grammar(tools, parallel)
+    def triggered_grammar(self, tools: list[dict], parallel: bool) -> tuple[str, str] | None:
+        if self.marker_token is not None:  # a special token, which no text spells
+            return None
+        return super().triggered_grammar(tools, parallel)
 
     def write(self, calls: list[ToolCall]) -> str:
         items = ", ".join(f'{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}' for c in calls)
@@ -192,9 +192,8 @@ class Llama3Format(ToolCallFormat):
     def grammar(self, tools: list[dict], parallel: bool) -> str:
         return f"start: tail\n{self.tail_rules(tools, parallel)}"  # the marker is optional: left out
 
-    def lazy_grammar(self, tools: list[dict], parallel: bool) -> str:
-        # The call is the whole message: text is any message that does not open with one.
-        return f"start: FREE? | tail\nFREE: /[^{{<](?s:.*)/\n{self.tail_rules(tools, parallel)}"
+    def triggered_grammar(self, tools: list[dict], parallel: bool) -> tuple[str, str] | None:
+        return None  # the call is the whole message, opened by a special token or by no marker at all
 
     def write(self, calls: list[ToolCall]) -> str:
         return "; ".join(f'{{"name": {json.dumps(c.name)}, "parameters": {c.arguments}}}' for c in calls)
@@ -207,12 +206,16 @@ class Llama3Format(ToolCallFormat):
         return 0
 
 
-def tools_grammar(fmt: ToolCallFormat, tools: list[dict] | None, forced: bool, parallel: bool) -> str | None:
-    """The grammar of an answer offered tools: calls only where a call is forced, else text or calls that follow
-    the tools' schemas once opened; None without tools."""
+def tools_grammar(fmt: ToolCallFormat, tools: list[dict] | None, forced: bool,
+                  parallel: bool) -> tuple[str | None, str | None]:
+    """(grammar, trigger) of an answer offered tools: calls from the start where a call is forced, else calls that
+    follow the tools' schemas once the answer writes the trigger; (None, None) without tools, or where the format
+    has no marker to watch for (its calls are read, not bound)."""
     if not tools:
-        return None
-    return fmt.grammar(tools, parallel) if forced else fmt.lazy_grammar(tools, parallel)
+        return None, None
+    if forced:
+        return fmt.grammar(tools, parallel), None
+    return fmt.triggered_grammar(tools, parallel) or (None, None)
 
 
 REASONING_END = "</think>"

@@ -184,11 +184,12 @@ class MessagesRequest(_Prompt):
             raise ValueError("stop sequences must not be empty")
         return value
 
-    def sampling_params(self, grammar: str | None, defaults: SamplingDefaults) -> SamplingParams:
-        """The engine's parameters; grammar: the Lark grammar of the tool calls the request forces."""
+    def sampling_params(self, grammar: str | None, trigger: str | None, defaults: SamplingDefaults) -> SamplingParams:
+        """The engine's parameters; grammar: the Lark grammar of the tool calls, bound once the answer writes
+        trigger where one is given."""
         sampling = defaults.apply({"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k})
         return SamplingParams(max_tokens=self.max_tokens, **sampling, stop=list(self.stop_sequences or []),
-                              grammar=grammar)
+                              grammar=grammar, grammar_trigger=trigger)
 
 
 class CountTokensRequest(_Prompt):

@@ -40,10 +40,10 @@ class _Anthropic:
         tools = body.offered_tools()
         ids = await server.chat_prompt(body.template_messages(), tools, "messages")
         tool_format = self.aengine.tool_format
-        grammar = tools_grammar(tool_format, tools, body.forced_tools() is not None, body.parallel)
+        grammar, trigger = tools_grammar(tool_format, tools, body.forced_tools() is not None, body.parallel)
         in_reasoning = server.opens_reasoning(ids)
         try:
-            params = server.after_reasoning(body.sampling_params(grammar, self.aengine.info.sampling_defaults),
+            params = server.after_reasoning(body.sampling_params(grammar, trigger, self.aengine.info.sampling_defaults),
                                             in_reasoning)
             await self.aengine.compile_grammar(params)
         except InvalidParamsError as exc:

@@ -99,10 +99,11 @@ class _GenerationRequest(_Body):
         return {"json_schema": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar"}.get(param, param)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, grammar: str | None = None,
-                        defaults: SamplingDefaults | None = None) -> SamplingParams:
+                        defaults: SamplingDefaults | None = None, trigger: str | None = None) -> SamplingParams:
         """Raises InvalidParamsError (with the offending field) on values the engine refuses.
 
-        grammar: a Lark grammar the server adds (the tool calls' grammar, where the request offers tools).
+        grammar: a Lark grammar the server adds (the tool calls' grammar, where the request offers tools), bound
+        once the answer writes trigger where one is given.
         defaults: the model's sampling defaults, for the fields the request leaves out.
         """
         greedy = self.top_p == 0  # top_p 0 keeps only the most likely token
@@ -124,6 +125,7 @@ class _GenerationRequest(_Body):
             logprobs=logprobs,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             **constraint,
+            grammar_trigger=trigger,
         )
 
 
@@ -564,7 +566,10 @@ class ResponsesRequest(_Body):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)
 
-    def sampling_params(self, max_tokens: int, grammar: str | None, defaults: SamplingDefaults) -> SamplingParams:
-        """The engine's parameters; grammar: the Lark grammar of the tool calls the request forces."""
+    def sampling_params(self, max_tokens: int, grammar: str | None, trigger: str | None,
+                        defaults: SamplingDefaults) -> SamplingParams:
+        """The engine's parameters; grammar: the Lark grammar of the tool calls, bound once the answer writes
+        trigger where one is given."""
         sampling = defaults.apply({"temperature": self.temperature, "top_p": self.top_p})
-        return SamplingParams(max_tokens=max_tokens, **sampling, json_schema=self.output_schema, grammar=grammar)
+        return SamplingParams(max_tokens=max_tokens, **sampling, json_schema=self.output_schema, grammar=grammar,
+                              grammar_trigger=trigger)

@@ -46,11 +46,12 @@ class _OpenAI:
         self.stored = ResponseStore()
 
     async def _params(self, body: ChatCompletionRequest | CompletionRequest, max_tokens: int, logprobs: int | None,
-                      grammar: str | None = None, in_reasoning: bool = False) -> SamplingParams:
-        """The body's sampling parameters, with their grammar compiled (to bind after the reasoning section where
-        the prompt opened one); a 400 naming the field at fault."""
+                      grammar: str | None = None, trigger: str | None = None,
+                      in_reasoning: bool = False) -> SamplingParams:
+        """The body's sampling parameters, with their grammar compiled (bound once the answer writes trigger, or
+        after the reasoning section the prompt opened); a 400 naming the field at fault."""
         try:
-            params = body.sampling_params(max_tokens, logprobs, grammar, self.aengine.info.sampling_defaults)
+            params = body.sampling_params(max_tokens, logprobs, grammar, self.aengine.info.sampling_defaults, trigger)
             params = self.server.after_reasoning(params, in_reasoning)
             await self.aengine.compile_grammar(params)
         except InvalidParamsError as exc:
@@ -73,10 +74,10 @@ class _OpenAI:
         forced = body.forced_tools() is not None
         # Under tool_choice auto the calls follow the tools' schemas too, unless the answer has a grammar of its own.
         free = all(v is None for v in body.constraint().values())
-        grammar = tools_grammar(tool_format, tools if forced or free else None, forced,
-                                body.parallel_tool_calls and body.choice != "named")
+        grammar, trigger = tools_grammar(tool_format, tools if forced or free else None, forced,
+                                         body.parallel_tool_calls and body.choice != "named")
         in_reasoning = server.opens_reasoning(ids)
-        params = await self._params(body, max_tokens, body.num_logprobs, grammar, in_reasoning)
+        params = await self._params(body, max_tokens, body.num_logprobs, grammar, trigger, in_reasoning)
         gen = server.start("chatcmpl", [ids], params, body.n, body.seed, body.stream)
         response = ChatResponse(gen, server.model_name, self.aengine.tokenizer, tool_format if tools else None,
                                 reasoning=body.reasoning_format != "none", in_reasoning=in_reasoning)
@@ -122,12 +123,12 @@ class _OpenAI:
         ids = await server.chat_prompt(instructions + conversation, tools, "input")
         tool_format = self.aengine.tool_format
         forced = body.forced_tools() is not None
-        grammar = tools_grammar(tool_format, tools if forced or body.output_schema is None else None, forced,
-                                body.parallel_tool_calls and body.choice != "named")
+        grammar, trigger = tools_grammar(tool_format, tools if forced or body.output_schema is None else None, forced,
+                                         body.parallel_tool_calls and body.choice != "named")
         max_tokens = body.max_output_tokens or self.aengine.info.max_model_len
         in_reasoning = server.opens_reasoning(ids)
         try:
-            params = body.sampling_params(max_tokens, grammar, self.aengine.info.sampling_defaults)
+            params = body.sampling_params(max_tokens, grammar, trigger, self.aengine.info.sampling_defaults)
             params = server.after_reasoning(params, in_reasoning)
             await self.aengine.compile_grammar(params)
         except InvalidParamsError as exc:
