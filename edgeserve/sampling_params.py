@@ -108,6 +108,9 @@ class SamplingParams:
     json_schema: dict[str, Any] | str | None = None  # a JSON Schema (as a dict or JSON text)
     regex: str | None = None
     grammar: str | None = None  # a Lark grammar (llguidance's dialect, which may embed %json {...})
+    # The grammar binds only once the output writes this text, from the token where it begins (a tool call's
+    # marker); until then the output is free.
+    grammar_trigger: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -135,6 +138,8 @@ class SamplingParams:
              "values must be between -100 and 100"),
             (sum(x is not None for x in (self.json_schema, self.regex, self.grammar)) <= 1, "json_schema",
              "cannot be combined with regex or grammar: give one of them"),
+            (self.grammar_trigger is None or (self.grammar is not None and self.grammar_trigger != ""),
+             "grammar_trigger", "must be a non-empty text, with a grammar"),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -142,10 +147,14 @@ class SamplingParams:
 
     @property
     def constraint(self) -> tuple[str, str] | None:
-        """The grammar as (kind, source): kind "json_schema" (source is JSON text), "regex" or "lark"; or None."""
+        """The grammar as (kind, source): kind "json_schema" (source is JSON text), "regex" or "lark"; or None.
+
+        A schema's keys keep their written order: the grammar writes properties in that order (a schema that
+        asks for its reasoning before its answer gets them so), and the grammar cache keys on this text.
+        """
         if self.json_schema is not None:
             schema = self.json_schema
-            return "json_schema", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+            return "json_schema", schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
         if self.regex is not None:
             return "regex", self.regex
         if self.grammar is not None:

@@ -5,9 +5,17 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+
+from edgeserve.config import EngineConfig
+from edgeserve.engine.async_engine import AsyncEngine
+from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.server.app import create_app
 
 
 class ServerThread:
@@ -30,3 +38,15 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+@contextmanager
+def serving(model: Any, name: str, kv_memory: str = "128MiB", **app_options: Any) -> Iterator[ServerThread]:
+    """A server of `model` (a loaded model) as `name`, on an engine of its own, for as long as the block runs."""
+    aengine = AsyncEngine(LLMEngine(model, EngineConfig(backend="numpy", kv_memory=kv_memory)))
+    server = ServerThread(create_app(aengine, name, **app_options))
+    try:
+        yield server
+    finally:
+        server.stop()
+        aengine.shutdown()

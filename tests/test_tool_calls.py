@@ -1,8 +1,9 @@
-"""Tool-call formats: grammars that accept what the parsers read, parsing whole and streamed, and templates."""
+"""Tool-call formats: grammars that accept what the reader reads, and templates (`test_tool_stream` streams them)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import llguidance
 import pytest
@@ -14,10 +15,12 @@ from edgeserve.text.tool_calls import (
     Llama3Format,
     MistralFormat,
     ToolCall,
-    ToolCallStream,
+    after_reasoning,
     format_for_template,
-    split_reply,
+    not_containing,
+    tools_grammar,
 )
+from edgeserve.text.tool_stream import read_answer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
@@ -44,7 +47,8 @@ def test_written_calls_parse_back_and_the_grammar_takes_them(fmt, llt, loaded_mo
     tokenizer = loaded_model.tokenizer
     for calls, parallel in ((CALLS[:1], False), (CALLS, True)):
         text = fmt.write(calls)
-        assert split_reply(text, fmt) == (None, calls)
+        answer = read_answer(text, fmt)
+        assert answer.text == "" and answer.calls == calls
         assert matches(llt, tokenizer, fmt.grammar([WEATHER, TIME], parallel), text)
     # one call only without parallel calls; only the named tools; arguments that follow the schema
     assert not matches(llt, tokenizer, fmt.grammar([WEATHER, TIME], False), fmt.write(CALLS))
@@ -55,45 +59,50 @@ def test_written_calls_parse_back_and_the_grammar_takes_them(fmt, llt, loaded_mo
     assert not matches(llt, tokenizer, fmt.grammar([WEATHER], False), fmt.write(CALLS[:1]).replace(", ", ",\n  "))
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_streamed_calls_come_whole_and_match_the_parse_of_the_whole_text(fmt) -> None:
-    text = fmt.write(CALLS)
-    if fmt.marker and not isinstance(fmt, Llama3Format):
-        text = "Let me look.\n" + text
-    content, calls = split_reply(text, fmt)
-    stream = ToolCallStream(fmt)
-    streamed, got = "", []
-    for i in range(0, len(text), 3):
-        piece, new = stream.feed(text[i:i + 3], False)
-        streamed += piece
-        got += new
-        assert fmt.marker[:2] not in streamed  # no markup reaches the content
-    piece, new = stream.feed("", True)
-    assert (streamed + piece).strip() == (content or "") and got + new == calls == CALLS
+@pytest.mark.parametrize("fmt", [HermesFormat(), MistralFormat()], ids=lambda f: f.name)
+def test_the_triggered_grammar_binds_calls_from_their_marker_on(fmt, llt, loaded_model) -> None:
+    tokenizer = loaded_model.tokenizer
+    grammar, trigger = fmt.triggered_grammar([WEATHER, TIME], True)
+    assert trigger == fmt.marker
+    # it is fed from the token where the marker begins, which may hold text before it
+    for text in ("Let me look.\n" + fmt.write(CALLS[:1]), fmt.write(CALLS), " " + fmt.write(CALLS[:1])):
+        assert matches(llt, tokenizer, grammar, text), text
+    # once opened, a call must follow a tool's schema
+    assert not matches(llt, tokenizer, grammar, fmt.write([ToolCall("get_weather", '{"city": 5}')]))
+    assert not matches(llt, tokenizer, grammar, fmt.write([ToolCall("get_news", '{"tz": "CET"}')]))
+    assert not matches(llt, tokenizer, grammar, f"Sure {fmt.marker} no call here")
+    single, _ = fmt.triggered_grammar([WEATHER], False)
+    assert not matches(llt, tokenizer, single, fmt.write(CALLS[:1] * 2))
 
 
-def test_free_text_and_broken_calls_stay_text() -> None:
-    fmt = HermesFormat()
-    assert split_reply("Paris is sunny.", fmt) == ("Paris is sunny.", [])
-    broken = 'Sure <tool_call>\n{"name": "get_weather", "argu'
-    assert split_reply(broken, fmt) == (broken, [])
-    stream = ToolCallStream(fmt)
-    first, _ = stream.feed(broken, False)
-    last, calls = stream.feed("", True)
-    assert first + last == broken and calls == []
-    assert split_reply("I think {not a call}", Llama3Format()) == ("I think {not a call}", [])
-    assert split_reply("[1, 2] are numbers", MistralFormat()) == ("[1, 2] are numbers", [])
+def test_formats_without_a_text_marker_have_no_trigger() -> None:
+    assert Llama3Format().triggered_grammar([WEATHER], True) is None
+    assert MistralFormat(marker_token=5).triggered_grammar([WEATHER], True) is None
+    assert tools_grammar(Llama3Format(), [WEATHER], False, True) == (None, None)
+    assert tools_grammar(HermesFormat(), [WEATHER], True, True) == (HermesFormat().grammar([WEATHER], True), None)
+    assert tools_grammar(HermesFormat(), None, True, True) == (None, None)
 
 
-def test_calls_without_their_special_marker_token_still_parse() -> None:
-    # Output text leaves special tokens out: Mistral's [TOOL_CALLS] and Llama 3's <|python_tag|> are ones,
-    # and some Hermes-style tokenizers hold <tool_call> and </tool_call> as special tokens too.
-    for fmt in (MistralFormat(), Llama3Format(), HermesFormat()):
-        text = fmt.write(CALLS).replace(fmt.marker, "").replace("</tool_call>", "")
-        assert split_reply(text, fmt) == (None, CALLS)
-        stream = ToolCallStream(fmt)
-        pieces = [stream.feed(text[i:i + 2], False) for i in range(0, len(text), 2)] + [stream.feed("", True)]
-        assert "".join(p[0] for p in pieces) == "" and [c for p in pieces for c in p[1]] == CALLS
+def test_a_grammar_after_reasoning_lets_the_thoughts_end_first(llt, loaded_model) -> None:
+    tokenizer = loaded_model.tokenizer
+    schema = WEATHER["function"]["parameters"]
+    grammar = after_reasoning("json_schema", json.dumps(schema))
+    answer = '{"city": "Paris", "unit": "c"}'
+    for text in (f"Paris, then. </b> is no end.</think>\n\n{answer}", f"</think>{answer}"):
+        assert matches(llt, tokenizer, grammar, text), text
+    assert not matches(llt, tokenizer, grammar, answer)  # the section must end first
+    assert not matches(llt, tokenizer, grammar, "Hmm.</think>\nSunny.")  # and then the grammar binds
+    calls = after_reasoning("lark", HermesFormat().grammar([WEATHER], False))
+    assert matches(llt, tokenizer, calls, "Hmm.</think>\n" + HermesFormat().write(CALLS[:1]))
+    assert after_reasoning("regex", "[a-z]+") is None
+
+
+def test_text_without_a_marker_is_every_text_the_marker_does_not_occur_in() -> None:
+    free = re.compile(not_containing("<tool_call>"))
+    for text in ("", "hello", "a <b> c", "<<tool", "x <tool_cal", "<tool_call", "<t<tool", "a<tool_callx>"):
+        assert free.fullmatch(text), text
+    for text in ("<tool_call>", "x<tool_call>y", "<t<tool_call>", "<<tool_call>"):
+        assert not free.fullmatch(text), text
 
 
 def test_the_format_comes_from_the_template() -> None:

@@ -18,6 +18,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
+from edgeserve.engine.json_numbers import NumberBound, NumberScanner
 from edgeserve.engine.sequence import Sequence
 from edgeserve.sampling_params import JSON_OPTIONS, InvalidParamsError, SamplingParams
 from edgeserve.text.tokenizer import Tokenizer
@@ -84,12 +85,23 @@ class Constraints:
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the server compiles off the engine thread
         self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._numbers: dict[str, NumberScanner] = {}  # where the JSON of each request whose grammar writes some stands
+        self._waiting: dict[str, _Trigger] = {}  # requests whose grammar binds once their trigger is written
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="edgeserve-masks")
 
     @cached_property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         # about a second to build: only once a request asks for a grammar
         return ll_tokenizer(self._tokenizer, self.vocab_size)
+
+    @cached_property
+    def _number_bound(self) -> NumberBound:
+        tokenizer = self.ll_tokenizer
+
+        def token_bytes(token: int) -> bytes:
+            return b"" if tokenizer.is_special_token(token) else tokenizer.decode_bytes([token])
+
+        return NumberBound(token_bytes, min(self.vocab_size, tokenizer.vocab_size))
 
     @cached_property
     def _executor(self) -> llguidance.LLExecutor:
@@ -132,11 +144,24 @@ class Constraints:
 
     def add(self, request_id: str, params: SamplingParams) -> None:
         matcher = self.compile(params)
-        if matcher is not None:
-            self._matchers[request_id] = matcher
+        if matcher is None:
+            return
+        if params.grammar_trigger is not None:
+            self._waiting[request_id] = _Trigger(matcher, params.grammar_trigger.encode())
+            return
+        self._bind(request_id, matcher, params.constraint)
+
+    def _bind(self, request_id: str, matcher: llguidance.LLMatcher, constraint: tuple[str, str]) -> None:
+        self._matchers[request_id] = matcher
+        kind, source = constraint
+        # JSON Schemas, and Lark grammars that embed one (tool calls), write JSON whose numbers are bounded.
+        if kind == "json_schema" or (kind == "lark" and "%json" in source):
+            self._numbers[request_id] = NumberScanner()
 
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._numbers.pop(request_id, None)
+        self._waiting.pop(request_id, None)
 
     def start_masks(self, seqs: list[Sequence]) -> Future | None:
         """Start computing the masks of the constrained rows among seqs (row i is seqs[i]); None if none is."""
@@ -163,17 +188,76 @@ class Constraints:
             return {i: f"grammar mask failed: {exc}" for i, seq in enumerate(seqs) if seq.request_id in self._matchers}
         forbidden = np.unpackbits(~bitmask[rows].view(np.uint8), axis=1, bitorder="little").view(bool)
         for row, mask in zip(rows, forbidden):
-            np.copyto(logits[row], MASKED_LOGIT, where=mask[: logits.shape[1]])
+            mask = self._bound_numbers(seqs[row].request_id, mask[: logits.shape[1]])
+            np.copyto(logits[row], MASKED_LOGIT, where=mask)
         return {}
+
+    def _bound_numbers(self, request_id: str, mask: np.ndarray) -> np.ndarray:
+        """mask, also forbidding the tokens that would run a number past its digits, where others remain."""
+        scanner = self._numbers.get(request_id)
+        if scanner is None or not scanner.in_number:
+            return mask
+        too_long = self._number_bound.forbidden(scanner)
+        bounded = mask.copy()
+        bounded[: len(too_long)] |= too_long
+        # The grammar may need a digit (a minimum not yet reached): then its mask stands alone.
+        return mask if bounded.all() else bounded
 
     def accept(self, seq: Sequence, token: int) -> bool:
         """Advance seq's grammar by its sampled token; True when the grammar is complete.
 
         Raises InvalidParamsError when the token breaks the grammar (the request then fails alone).
         """
+        waiting = self._waiting.get(seq.request_id)
+        if waiting is not None:
+            return self._watch(seq, waiting, token)
         matcher = self._matchers.get(seq.request_id)
         if matcher is None:
             return False
         if not matcher.consume_token(token):
             raise InvalidParamsError(f"the output left its grammar: {matcher.get_error()}")
+        self._scan(seq.request_id, [token])
         return matcher.is_stopped()
+
+    def _scan(self, request_id: str, tokens: list[int]) -> None:
+        scanner = self._numbers.get(request_id)
+        for token in tokens if scanner is not None else ():
+            if not self.ll_tokenizer.is_special_token(token):
+                scanner.feed(self.ll_tokenizer.decode_bytes([token]))
+
+    def _watch(self, seq: Sequence, waiting: _Trigger, token: int) -> bool:
+        """Note the token of a request waiting for its trigger; once written, bind the grammar from the token where
+        it begins. True when the grammar is then complete."""
+        if not waiting.add(token, b"" if self.ll_tokenizer.is_special_token(token)
+                           else self.ll_tokenizer.decode_bytes([token])):
+            return False
+        del self._waiting[seq.request_id]
+        tokens = waiting.tokens[waiting.start():]
+        if not waiting.matcher.consume_tokens(tokens):
+            raise InvalidParamsError(f"the output left its grammar: {waiting.matcher.get_error()}")
+        self._bind(seq.request_id, waiting.matcher, seq.params.constraint)
+        self._scan(seq.request_id, tokens)
+        return waiting.matcher.is_stopped()
+
+
+class _Trigger:
+    """A request's output while its grammar waits for the trigger: its tokens and where each one's bytes start."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, trigger: bytes):
+        self.matcher, self.trigger = matcher, trigger
+        self.tokens: list[int] = []
+        self.starts: list[int] = []
+        self.text = bytearray()
+
+    def add(self, token: int, data: bytes) -> bool:
+        """Take the next token (its bytes); True once the trigger is written."""
+        self.tokens.append(token)
+        self.starts.append(len(self.text))
+        self.text += data
+        # Only the newest bytes, and the trigger's length before them, can complete it.
+        return self.trigger in self.text[max(0, self.starts[-1] - len(self.trigger)):]
+
+    def start(self) -> int:
+        """The index of the token in which the trigger begins."""
+        at = self.text.find(self.trigger)
+        return max(i for i, start in enumerate(self.starts) if start <= at)

@@ -33,6 +33,7 @@ class RequestOutput:
     ttft: float | None = None  # seconds from arrival to first token
     elapsed: float = 0.0  # seconds from arrival to this output
     error: str | None = None
+    stop_string: str | None = None  # the stop string that ended it, where one did
 
 
 class RequestState:
@@ -45,6 +46,7 @@ class RequestState:
         self.sent = 0  # characters of text already sent
         self.first_token_time: float | None = None
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
+        self.stop_string: str | None = None  # the stop string that ended it, where one did
 
     @property
     def finished(self) -> bool:
@@ -69,9 +71,10 @@ class RequestState:
         self.text += self.detokenizer.add(token)
         if p.stop:
             start = max(0, self.sent - self._hold_back - 1)  # one may begin in the held-back tail
-            hits = [i for i in (self.text.find(s, start) for s in p.stop) if i >= 0]
+            hits = [(i, s) for s in p.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, self.stop_string = min(hits)
+                self.text = self.text[:at]
                 self.finish_reason = "stop"
                 return
         if grammar_complete:
@@ -98,6 +101,7 @@ class RequestState:
             logprobs=logprobs,
             ttft=None if self.first_token_time is None else self.first_token_time - seq.arrival_time,
             elapsed=time.perf_counter() - seq.arrival_time,
+            stop_string=self.stop_string,
         )
 
 

@@ -19,15 +19,19 @@ from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.models.catalog import CATALOG
 from edgeserve.sampling_params import SamplingParams
-from edgeserve.server import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, openai, status
+from edgeserve.server import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, anthropic, openai, status
 from edgeserve.server.errors import APIError, add_error_handlers
 from edgeserve.server.generation import Choice, Generation
 from edgeserve.server.metrics import ServerMetrics
 from edgeserve.server.middleware import Gate, HostGuard, host_name
+from edgeserve.text.chat_template import ChatTemplateError
+from edgeserve.text.tool_calls import after_reasoning
+from edgeserve.text.tool_stream import opens_reasoning
 
 # A token spells at most a few dozen characters in any real vocabulary, so a text this many times
 # longer than the context cannot fit whatever it says: refused before paying to tokenize it.
 MAX_CHARS_PER_TOKEN = 32
+REASONING_TAIL_TOKENS = 8  # enough of a prompt's end to hold "<think>" and the newlines around it
 
 logger = logging.getLogger("edgeserve.server")
 
@@ -81,6 +85,30 @@ class Server:
             raise APIError(400, str(exc), param=param, code="context_length_exceeded") from exc
         except EdgeserveError as exc:
             raise APIError(400, str(exc), param=param, code="invalid_value") from exc
+
+    async def chat_prompt(self, messages: list[dict], tools: list[dict] | None, param: str) -> list[int]:
+        """Template messages (and tools) as prompt ids through the model's chat template; a 400 naming param where
+        they cannot render or run."""
+        self.check_text_length(sum(len(m["content"]) for m in messages), param)
+        try:
+            ids = await self.aengine.chat_prompt(messages, tools)
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), param=param, code="invalid_value") from exc
+        self.check_prompt(ids, param)
+        return ids
+
+    def opens_reasoning(self, ids: list[int]) -> bool:
+        """Whether a rendered prompt opened a reasoning section for the answer (its last tokens say)."""
+        return opens_reasoning(self.aengine.tokenizer.decode(ids[-REASONING_TAIL_TOKENS:]))
+
+    @staticmethod
+    def after_reasoning(params: SamplingParams, in_reasoning: bool) -> SamplingParams:
+        """params, their grammar (JSON or Lark) binding only once the reasoning section the prompt opened ends (a
+        grammar with a trigger waits for it anyway)."""
+        constraint = params.constraint
+        waits = params.grammar_trigger is not None
+        grammar = after_reasoning(*constraint) if in_reasoning and constraint is not None and not waits else None
+        return params if grammar is None else dataclasses.replace(params, json_schema=None, grammar=grammar)
 
     def check_open(self) -> None:
         if self.draining:
@@ -147,7 +175,7 @@ def create_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None
     Host headers must name loopback, an IP address, or one of `allowed_hosts` ("*" allows any).
     """
     server = Server(aengine, model_name, max_queue, aliases)
-    app = FastAPI(title="edgeserve", description="OpenAI-compatible local LLM server")
+    app = FastAPI(title="edgeserve", description="OpenAI- and Anthropic-compatible local LLM server")
     app.state.server = server
     # The last added runs first: Gate outermost, so its count of answers includes the guard's.
     app.add_middleware(HostGuard, allowed_hosts=frozenset(host_name(h) if h != "*" else h for h in allowed_hosts),
@@ -155,5 +183,6 @@ def create_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None
     app.add_middleware(Gate, server=server, api_key=api_key)
     add_error_handlers(app)
     app.include_router(openai.router(server))
+    app.include_router(anthropic.router(server))
     app.include_router(status.router(server))
     return app

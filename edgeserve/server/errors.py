@@ -1,4 +1,5 @@
-"""Errors as HTTP answers: APIError, and how the app answers it, a body that fails validation, and a 404."""
+"""Errors as HTTP answers: APIError, and how the app answers it (in OpenAI's shape, or Anthropic's on its paths),
+a body that fails validation, and a 404."""
 
 from __future__ import annotations
 
@@ -13,15 +14,30 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+# Anthropic's Messages API (its paths start so) answers errors in its own shape, its type named by the status.
+ANTHROPIC_PATHS = "/v1/messages"
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         500: "api_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's error shape, which its clients read."""
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
 class APIError(Exception):
-    """An error answered with an OpenAI-style body."""
+    """An error answered with an OpenAI-style body, or Anthropic's on its API's paths."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
-    def response(self) -> JSONResponse:
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer to a request for path."""
+        if path.startswith(ANTHROPIC_PATHS):
+            return JSONResponse(anthropic_error_body(self.status, self.message), status_code=self.status)
         return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
 
 
@@ -53,14 +69,14 @@ def add_error_handlers(app: FastAPI) -> None:
     """Answer APIError, invalid bodies and Starlette's own HTTP errors (404, 405) with the error body."""
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None
-                        ).response()
+                        ).response(request.url.path)

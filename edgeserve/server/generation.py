@@ -28,6 +28,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None  # None until it ends; still None if it was cancelled
+    stop_string: str | None = None  # the stop string that ended it, where one did
     completion_tokens: int = 0
     cached_tokens: int = 0
     ttft: float | None = None
@@ -42,6 +43,7 @@ class Choice:
         self.elapsed = out.elapsed
         if out.finished:
             self.finish_reason = out.finish_reason
+            self.stop_string = out.stop_string
 
 
 class Generation:

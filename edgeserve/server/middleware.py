@@ -65,7 +65,7 @@ class HostGuard:
         if not host_allowed(host, self.allowed_hosts):
             error = APIError(403, f"the Host {host_name(host)!r} is not allowed; start the server with "
                                   "--allowed-host NAME to accept it", code="host_not_allowed")
-            await error.response()(scope, receive, send)
+            await error.response(scope["path"])(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -85,7 +85,7 @@ class HostGuard:
         if size > self.max_body_size:
             error = APIError(413, f"the request body is {size} bytes or more; the limit is {self.max_body_size} "
                                   "(--max-body-size)", code="request_too_large")
-            await error.response()(scope, receive, send)
+            await error.response(scope["path"])(scope, receive, send)
             return
         pending = [first or {"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
@@ -104,10 +104,15 @@ class Gate:
         self.api_key = api_key
 
     def authorized(self, headers: Headers) -> bool:
+        """Whether the request holds the key: as OpenAI's clients send it (Authorization: Bearer) or Anthropic's
+        (x-api-key)."""
         if self.api_key is None:
             return True
+        key = self.api_key.encode()
         scheme, _, token = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key):
+            return True
+        return hmac.compare_digest(headers.get("x-api-key", "").strip().encode(), key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
@@ -120,13 +125,13 @@ class Gate:
             await send(message)
 
         if not self.authorized(Headers(scope=scope)):
-            error = APIError(401, "missing or incorrect API key; send it as 'Authorization: Bearer KEY'",
-                             code="invalid_api_key")
-            await error.response()(scope, receive, counting_send)
+            error = APIError(401, "missing or incorrect API key; send it as 'Authorization: Bearer KEY' or "
+                                  "'x-api-key: KEY'", code="invalid_api_key")
+            await error.response(scope["path"])(scope, receive, counting_send)
             return
         try:
             self.server.check_open()
         except APIError as closed:
-            await closed.response()(scope, receive, counting_send)
+            await closed.response(scope["path"])(scope, receive, counting_send)
             return
         await self.app(scope, receive, counting_send)

@@ -1,8 +1,9 @@
-"""Tool calls in a model's own format: the grammar that forces them, parsing them from text, and history as text.
+"""Tool calls in a model's own format: the grammar that forces them, reading a call object, and history as text.
 
 Three formats, chosen from the chat template's source: Hermes/Qwen (`<tool_call>{json}</tool_call>`),
 Mistral (`[TOOL_CALLS][{json}, ...]`) and Llama 3 (the message is `{"name": ..., "parameters": ...}`).
-Templates without tool support get Hermes through a system prompt (`fallback_messages`).
+Templates without tool support get Hermes through a system prompt (`fallback_messages`). `tool_stream` reads
+the calls out of an answer as it is written.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from typing import Any
 
 from edgeserve.sampling_params import JSON_OPTIONS
 
-_DECODER = json.JSONDecoder()
-_SEPARATORS = " \t\r\n;,"
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,8 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call_from(obj: Any, args_key: str) -> ToolCall | None:
+def call_from(obj: Any, args_key: str) -> ToolCall | None:
+    """The call a decoded JSON object describes ({"name": ..., args_key: {...}}), or None if it is none."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
@@ -58,6 +58,35 @@ def _tool_schema(tool: dict, args_key: str) -> dict:
             "required": ["name", args_key], "additionalProperties": False}
 
 
+def partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of text begin tag (so wait for more before deciding)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _class_char(ch: str) -> str:
+    """ch inside a regex character class."""
+    return "\\" + ch if ch in "\\[]^-&~" else ch
+
+
+def not_containing(marker: str) -> str:
+    """A regex (Rust's syntax) of the non-empty texts in which marker never occurs (they may end with its beginning).
+
+    Built from the marker's matching automaton, for markers whose first character occurs only there: from "matched
+    k characters", the next one goes on, back to one on the first character, else back to none.
+    """
+    first, rest = marker[0], marker[1:]
+    assert first not in rest, f"{marker!r}: the first character must not recur"
+    lit = re.escape
+    # From "matched one", the ways back to it without completing the marker, and the ways out to "matched none".
+    back = "|".join(lit(rest[:j]) + lit(first) for j in range(len(rest)))
+    out = "|".join(lit(rest[:j]) + f"[^{_class_char(rest[j])}{_class_char(first)}]" for j in range(len(rest)))
+    partial = "".join(f"({lit(ch)}" for ch in rest[:-1]) + ")?" * (len(rest) - 1)
+    return f"([^{_class_char(first)}]|{lit(first)}({back})*({out}))*({lit(first)}({back})*{partial})?"
+
+
 def _json_rule(schema: dict) -> str:
     """A Lark rule for JSON following schema, written as the engine writes JSON (JSON_OPTIONS)."""
     return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS}, ensure_ascii=False)}"
@@ -74,61 +103,48 @@ class ToolCallFormat:
         schemas = [_tool_schema(t, self.args_key) for t in tools]
         return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
-    def grammar(self, tools: list[dict], parallel: bool) -> str:
-        """A Lark grammar (llguidance's dialect) whose every sentence is one call, or several if parallel, of tools."""
+    @property
+    def marker_rule(self) -> str:
+        """The marker in a Lark grammar."""
+        return json.dumps(self.marker)
+
+    def tail_rules(self, tools: list[dict], parallel: bool) -> str:
+        """Lark rules (llguidance's dialect) whose `tail` is what follows the marker: one call of tools, or several if
+        parallel."""
         raise NotImplementedError
+
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
+        """A Lark grammar whose every sentence is one call, or several if parallel, of tools."""
+        return f"start: {self.marker_rule} tail\n{self.tail_rules(tools, parallel)}"
+
+    def triggered_grammar(self, tools: list[dict], parallel: bool) -> tuple[str, str] | None:
+        """(grammar, trigger) for an answer that may call tools: the grammar binds once the answer writes the
+        trigger (the marker), from the token where it begins: any text up to the marker, then calls that follow
+        the tools' schemas. None where the marker is no text to watch for."""
+        lead = f"({not_containing(self.marker)})?{re.escape(self.marker)}"
+        return f"start: lead tail\nlead[lazy]: /{lead}/\n{self.tail_rules(tools, parallel)}", self.marker
 
     def write(self, calls: list[ToolCall]) -> str:
         """Calls as the model would write them (for history in templates without tool support)."""
         raise NotImplementedError
 
-    def split(self, text: str) -> tuple[str, list[ToolCall], str]:
-        """(text before the calls, the complete calls, what follows them: an unfinished call or trailing text)."""
-        raise NotImplementedError
-
     def held_back(self, content: str) -> int:
         """Characters at the end of streamed content that may begin the marker, so wait for the next text."""
-        for n in range(min(len(self.marker) - 1, len(content)), 0, -1):
-            if self.marker.startswith(content[-n:]):
-                return n
-        return 0
+        return partial_tag(content, self.marker)
 
 
 class HermesFormat(ToolCallFormat):
     name = "hermes"
     marker = "<tool_call>"
-    _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
-    def grammar(self, tools: list[dict], parallel: bool) -> str:
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
-        return f'{start}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: {_json_rule(self.call_schema(tools))}\n'
+    def tail_rules(self, tools: list[dict], parallel: bool) -> str:
+        more = ' ("\\n<tool_call>" call)*' if parallel else ""
+        return (f'tail: call{more}\ncall: "\\n" body "\\n</tool_call>"\n'
+                f"body: {_json_rule(self.call_schema(tools))}\n")
 
     def write(self, calls: list[ToolCall]) -> str:
         return "\n".join(f'<tool_call>\n{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}\n</tool_call>'
                          for c in calls)
-
-    def split(self, text: str) -> tuple[str, list[ToolCall], str]:
-        start = text.find(self.marker)
-        if start < 0:
-            # Some tokenizers hold the tags as special tokens, which the answer's text leaves out:
-            # an answer that opens with a call object is calls.
-            body = text.lstrip()
-            if not body.startswith("{"):
-                return text, [], ""
-            return "", *_call_sequence(body, self.args_key)
-        calls, pos = [], start
-        while (m := self._block.match(text, pos)) is not None:
-            try:
-                call = _call_from(json.loads(m.group(1)), self.args_key)
-            except ValueError:
-                call = None
-            if call is None:
-                break
-            calls.append(call)
-            pos = m.end()
-            while pos < len(text) and text[pos] in _SEPARATORS:
-                pos += 1
-        return text[:start], calls, text[pos:]
 
 
 class MistralFormat(ToolCallFormat):
@@ -137,36 +153,26 @@ class MistralFormat(ToolCallFormat):
 
     def __init__(self, marker_token: int | None = None):
         # Mistral's tokenizers hold the marker as one special token, which the grammar names by id.
-        self.marker_rule = f"<[{marker_token}]>" if marker_token is not None else json.dumps(self.marker)
+        self.marker_token = marker_token
 
-    def grammar(self, tools: list[dict], parallel: bool) -> str:
+    @property
+    def marker_rule(self) -> str:
+        return f"<[{self.marker_token}]>" if self.marker_token is not None else super().marker_rule
+
+    def tail_rules(self, tools: list[dict], parallel: bool) -> str:
         array = {"type": "array", "items": self.call_schema(tools), "minItems": 1}
         if not parallel:
             array["maxItems"] = 1
-        return f"start: {self.marker_rule} calls\ncalls: {_json_rule(array)}\n"
+        return f"tail: {_json_rule(array)}\n"
+
+    def triggered_grammar(self, tools: list[dict], parallel: bool) -> tuple[str, str] | None:
+        if self.marker_token is not None:  # a special token, which no text spells
+            return None
+        return super().triggered_grammar(tools, parallel)
 
     def write(self, calls: list[ToolCall]) -> str:
         items = ", ".join(f'{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}' for c in calls)
         return f"{self.marker}[{items}]"
-
-    def split(self, text: str) -> tuple[str, list[ToolCall], str]:
-        start = text.find(self.marker)
-        if start >= 0:
-            body = text[start + len(self.marker):]
-        else:
-            # The marker is a special token, which the answer's text leaves out: a call list opens it.
-            body = text.lstrip()
-            if not body.startswith("[{"):
-                return text, [], ""
-            start = len(text) - len(body)
-        try:
-            items, end = _DECODER.raw_decode(body.lstrip())
-        except ValueError:
-            return text[:start], [], body
-        calls = [_call_from(item, self.args_key) for item in (items if isinstance(items, list) else [items])]
-        if any(c is None for c in calls):
-            return text[:start], [], body
-        return text[:start], calls, body.lstrip()[end:]
 
     def held_back(self, content: str) -> int:
         if content.lstrip() in ("", "["):  # may open a call list
@@ -179,20 +185,18 @@ class Llama3Format(ToolCallFormat):
     marker = "<|python_tag|>"
     args_key = "parameters"
 
+    def tail_rules(self, tools: list[dict], parallel: bool) -> str:
+        more = ' ("; " call)*' if parallel else ""
+        return f"tail: call{more}\ncall: {_json_rule(self.call_schema(tools))}\n"
+
     def grammar(self, tools: list[dict], parallel: bool) -> str:
-        start = 'start: call ("; " call)*' if parallel else "start: call"
-        return f"{start}\ncall: {_json_rule(self.call_schema(tools))}\n"
+        return f"start: tail\n{self.tail_rules(tools, parallel)}"  # the marker is optional: left out
+
+    def triggered_grammar(self, tools: list[dict], parallel: bool) -> tuple[str, str] | None:
+        return None  # the call is the whole message, opened by a special token or by no marker at all
 
     def write(self, calls: list[ToolCall]) -> str:
         return "; ".join(f'{{"name": {json.dumps(c.name)}, "parameters": {c.arguments}}}' for c in calls)
-
-    def split(self, text: str) -> tuple[str, list[ToolCall], str]:
-        body = text.lstrip()
-        if body.startswith(self.marker):
-            body = body[len(self.marker):].lstrip()
-        elif not body.startswith("{"):
-            return text, [], ""
-        return "", *_call_sequence(body, self.args_key)
 
     def held_back(self, content: str) -> int:
         # Until the message shows something other than a call's start, any of it may be one.
@@ -202,22 +206,32 @@ class Llama3Format(ToolCallFormat):
         return 0
 
 
-def _call_sequence(body: str, args_key: str) -> tuple[list[ToolCall], str]:
-    """The call objects at the start of body, one after another, and what follows them."""
-    calls, pos = [], 0
-    while pos < len(body):
-        try:
-            obj, end = _DECODER.raw_decode(body, pos)
-        except ValueError:
-            break
-        call = _call_from(obj, args_key)
-        if call is None:
-            break
-        calls.append(call)
-        pos = end
-        while pos < len(body) and body[pos] in _SEPARATORS:
-            pos += 1
-    return calls, body[pos:]
+def tools_grammar(fmt: ToolCallFormat, tools: list[dict] | None, forced: bool,
+                  parallel: bool) -> tuple[str | None, str | None]:
+    """(grammar, trigger) of an answer offered tools: calls from the start where a call is forced, else calls that
+    follow the tools' schemas once the answer writes the trigger; (None, None) without tools, or where the format
+    has no marker to watch for (its calls are read, not bound)."""
+    if not tools:
+        return None, None
+    if forced:
+        return fmt.grammar(tools, parallel), None
+    return fmt.triggered_grammar(tools, parallel) or (None, None)
+
+
+REASONING_END = "</think>"
+
+
+def after_reasoning(kind: str, source: str) -> str | None:
+    """A Lark grammar that lets a reasoning section the prompt opened run to its end, then binds the constraint
+    (kind "json_schema" or "lark", as `SamplingParams.constraint`); None for a kind it cannot follow (a regex)."""
+    if kind == "json_schema":
+        answer = f"answer: {_json_rule(json.loads(source))}\n"
+    elif kind == "lark":
+        answer = re.sub(r"^start(\s*):", r"answer\1:", source, count=1, flags=re.MULTILINE)
+    else:
+        return None
+    thought = f"({not_containing(REASONING_END)})?{re.escape(REASONING_END)}".replace("/", "\\/")
+    return f"start: thought GAP answer\nthought[lazy]: /{thought}/\nGAP: /[ \\t\\n]*/\n{answer}"
 
 
 def format_for_template(source: str, token_to_id: Any = None) -> ToolCallFormat:
@@ -266,37 +280,3 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None, fmt: ToolC
 
 def _arguments_text(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-
-
-class ToolCallStream:
-    """Splits a streamed answer into content deltas and whole tool calls as they complete."""
-
-    def __init__(self, fmt: ToolCallFormat):
-        self.fmt = fmt
-        self.text = ""
-        self.sent = 0  # characters of content sent
-        self.calls: list[ToolCall] = []  # the calls sent
-
-    def feed(self, delta: str, final: bool) -> tuple[str, list[ToolCall]]:
-        """The content and the calls to send now, given the next text (final: it is the last)."""
-        self.text += delta
-        content, calls, rest = self.fmt.split(self.text)
-        begun = len(content) < len(self.text)  # the calls have begun: the content before them is settled
-        end = len(content) if final or begun else len(content) - self.fmt.held_back(content)
-        new_content = content[self.sent:end]
-        self.sent = max(self.sent, end)
-        if begun and not new_content.strip():
-            new_content = ""
-        if final and rest.strip():  # an unfinished or malformed call, or text after the calls, stays visible
-            new_content += rest
-        new_calls = calls[len(self.calls):]
-        self.calls += new_calls
-        return new_content, new_calls
-
-
-def split_reply(text: str, fmt: ToolCallFormat) -> tuple[str | None, list[ToolCall]]:
-    """A whole answer as (content, tool calls); content None when the answer is only calls."""
-    content, calls, rest = fmt.split(text)
-    if not calls:
-        return text, []
-    return (content.strip() + rest).strip() or None, calls

@@ -1,4 +1,5 @@
-"""OpenAI's request bodies (chat and text completions), validated by pydantic, and what they ask the engine for."""
+"""OpenAI's request bodies (chat and text completions, the Responses API), validated by pydantic, and what they ask
+the engine for."""
 
 from __future__ import annotations
 
@@ -6,7 +7,16 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from edgeserve.sampling_params import SamplingDefaults, SamplingParams
@@ -89,10 +99,11 @@ class _GenerationRequest(_Body):
         return {"json_schema": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar"}.get(param, param)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, grammar: str | None = None,
-                        defaults: SamplingDefaults | None = None) -> SamplingParams:
+                        defaults: SamplingDefaults | None = None, trigger: str | None = None) -> SamplingParams:
         """Raises InvalidParamsError (with the offending field) on values the engine refuses.
 
-        grammar: a Lark grammar the server adds (tool calls the request requires).
+        grammar: a Lark grammar the server adds (the tool calls' grammar, where the request offers tools), bound
+        once the answer writes trigger where one is given.
         defaults: the model's sampling defaults, for the fields the request leaves out.
         """
         greedy = self.top_p == 0  # top_p 0 keeps only the most likely token
@@ -114,6 +125,7 @@ class _GenerationRequest(_Body):
             logprobs=logprobs,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             **constraint,
+            grammar_trigger=trigger,
         )
 
 
@@ -171,7 +183,7 @@ class ChatMessage(_Body):
         if self.tool_calls:
             # Templates write arguments with `| tojson`: they expect an object, not JSON text.
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+                "name": c.function.name, "arguments": json_or_text(c.function.arguments)}} for c in self.tool_calls]
         if self.role == "tool":
             message["tool_call_id"] = self.tool_call_id
             if self.name:
@@ -179,11 +191,25 @@ class ChatMessage(_Body):
         return message
 
 
-def _json_or_text(text: str) -> Any:
+def json_or_text(text: str) -> Any:
+    """JSON text as its value (as templates take a call's arguments); text that is no JSON as it is."""
     try:
         return json.loads(text)
     except ValueError:
         return text
+
+
+def check_unique_names(names: list[str]) -> None:
+    """ValueError where two tools share a name."""
+    if len(set(names)) < len(names):
+        raise ValueError("tool names must be unique")
+
+
+def offered(tools: list[dict], choice: str, name: str | None) -> list[dict] | None:
+    """The tools (chat-shaped dicts) the model sees: none under tool_choice "none", only the one a choice names."""
+    if not tools or choice == "none":
+        return None
+    return [t for t in tools if t["function"]["name"] == name] if name is not None else tools
 
 
 class FunctionDefinition(_Body):
@@ -252,6 +278,9 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # As llama.cpp's server: a leading <think> section comes apart as reasoning_content, or with "none" stays in
+    # the content as the model wrote it.
+    reasoning_format: Literal["auto", "deepseek", "none"] = "auto"
     modalities: list[Literal["text"]] | None = None
     functions: Any = None
     function_call: Any = None
@@ -269,9 +298,7 @@ class ChatCompletionRequest(_GenerationRequest):
     @field_validator("tools")
     @classmethod
     def _unique_names(cls, value: list[Tool] | None) -> list[Tool] | None:
-        names = [t.function.name for t in value or []]
-        if len(set(names)) < len(names):
-            raise ValueError("function names must be unique")
+        check_unique_names([t.function.name for t in value or []])
         return value
 
     @field_validator("tool_choice")
@@ -293,12 +320,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def offered_tools(self) -> list[dict] | None:
         """The tools the model sees, as {"type": "function", "function": {...}} dicts; None with tool_choice none."""
-        if not self.tools or self.choice == "none":
-            return None
-        tools = [t.model_dump(exclude_none=True) for t in self.tools]
-        if self.choice == "named":
-            tools = [t for t in tools if t["function"]["name"] == self.tool_choice.function.name]
-        return tools
+        name = self.tool_choice.function.name if self.choice == "named" else None
+        return offered([t.model_dump(exclude_none=True) for t in self.tools or []], self.choice, name)
 
     def forced_tools(self) -> list[dict] | None:
         """The tools one of which the answer must call (tool_choice required or named), else None."""
@@ -307,7 +330,7 @@ class ChatCompletionRequest(_GenerationRequest):
     def api_param(self, param: str | None) -> str | None:
         if param == "json_schema" and self.response_format is not None:
             return "response_format"
-        if param == "grammar" and self.forced_tools():
+        if param == "grammar" and self.offered_tools() and self.guided_grammar is None:
             return "tools"
         return super().api_param(param)
 
@@ -361,3 +384,192 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         return list(p)
+
+
+# The Responses API ---------------------------------------------------------------------------------------------
+
+
+class InputText(_Body):
+    type: Literal["input_text", "output_text", "text"]
+    text: Text
+
+
+class MessageItem(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Text | list[InputText]
+    id: Text | None = None
+    status: Text | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Body):
+    type: Literal["function_call"]
+    call_id: Text
+    name: Text
+    arguments: Text  # JSON text
+    id: Text | None = None
+    status: Text | None = None
+
+
+class FunctionCallOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: Text
+    output: Text | list[InputText]
+    id: Text | None = None
+    status: Text | None = None
+
+    @property
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+class ReasoningItem(_Body):
+    """A reasoning item sent back with the output it came with: past reasoning does not go into the prompt."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["reasoning"]
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+                      Field(discriminator="type")]
+
+
+def _item_type(value: Any) -> Any:
+    # A message may leave its type out ({"role": "user", "content": "..."}).
+    if isinstance(value, dict) and "type" not in value and "role" in value:
+        return {**value, "type": "message"}
+    return value
+
+
+def template_messages(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]
+                      ) -> list[dict[str, Any]]:
+    """Responses items as chat-template messages: a run of function calls joins its assistant message as tool_calls,
+    a call's output is a tool message."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, MessageItem):
+            out.append({"role": "system" if item.role == "developer" else item.role, "content": item.text})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": json_or_text(item.arguments)}}
+            if not out or out[-1]["role"] != "assistant":
+                out.append({"role": "assistant", "content": ""})
+            out[-1].setdefault("tool_calls", []).append(call)
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+    return out
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def chat_tool(self) -> dict[str, Any]:
+        """The tool in the shape chat templates and tool-call grammars take."""
+        return Tool(type="function", function=FunctionDefinition(
+            name=self.name, description=self.description, parameters=self.parameters)).model_dump(exclude_none=True)
+
+
+class FunctionToolChoice(_Body):
+    type: Literal["function"]
+    name: Text
+
+
+class TextFormat(_Body):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: Text | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("a json_schema format needs its schema")
+        return self
+
+    @property
+    def output_schema(self) -> dict[str, Any] | None:
+        return {"type": "object"} if self.type == "json_object" else self.schema_
+
+
+class TextOptions(_Body):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Body):
+    model: Text | None = None
+    input: Text | Annotated[list[InputItem], BeforeValidator(lambda v: [_item_type(x) for x in v]
+                                                             if isinstance(v, list) else v)]
+    instructions: Text | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextOptions | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: Text | None = None
+    metadata: dict[str, Text] | None = None
+    user: Text | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, value: list[FunctionTool] | None) -> list[FunctionTool] | None:
+        check_unique_names([t.name for t in value or []])
+        return value
+
+    @model_validator(mode="after")
+    def _choice_among_tools(self) -> ResponsesRequest:
+        names = {t.name for t in self.tools or []}
+        if self.tool_choice not in (None, "none") and not names:
+            raise ValueError("a tool_choice other than 'none' needs tools")
+        if isinstance(self.tool_choice, FunctionToolChoice) and self.tool_choice.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is not among the tools")
+        if self.output_schema is not None and self.forced_tools():
+            raise ValueError("text.format json_schema cannot be combined with a tool_choice that forces a call")
+        return self
+
+    @property
+    def choice(self) -> str:
+        """"none", "auto", "required" or "named"."""
+        if isinstance(self.tool_choice, FunctionToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def offered_tools(self) -> list[dict] | None:
+        """The tools the model sees, in the chat shape; None without tools or with tool_choice none."""
+        name = self.tool_choice.name if self.choice == "named" else None
+        return offered([t.chat_tool() for t in self.tools or []], self.choice, name)
+
+    def forced_tools(self) -> list[dict] | None:
+        return self.offered_tools() if self.choice in ("required", "named") else None
+
+    @property
+    def output_schema(self) -> dict[str, Any] | None:
+        fmt = self.text.format if self.text is not None else None
+        return fmt.output_schema if fmt is not None else None
+
+    def input_items(self) -> list[Any]:
+        """The input as items (a text input is one user message)."""
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    def sampling_params(self, max_tokens: int, grammar: str | None, trigger: str | None,
+                        defaults: SamplingDefaults) -> SamplingParams:
+        """The engine's parameters; grammar: the Lark grammar of the tool calls, bound once the answer writes
+        trigger where one is given."""
+        sampling = defaults.apply({"temperature": self.temperature, "top_p": self.top_p})
+        return SamplingParams(max_tokens=max_tokens, **sampling, json_schema=self.output_schema, grammar=grammar,
+                              grammar_trigger=trigger)

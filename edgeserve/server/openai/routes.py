@@ -1,4 +1,4 @@
-"""OpenAI's endpoints: /v1/models, /v1/chat/completions and /v1/completions.
+"""OpenAI's endpoints: /v1/models, /v1/chat/completions, /v1/completions and the Responses API (/v1/responses).
 
 Each handler turns its body into prompts and SamplingParams through the engine's door, has the server
 admit it as a Generation, and hands that to `responses` for its chunks or body.
@@ -12,9 +12,16 @@ from fastapi import APIRouter, Request
 
 from edgeserve.sampling_params import InvalidParamsError, SamplingParams
 from edgeserve.server.errors import APIError
-from edgeserve.server.openai.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
-from edgeserve.server.openai.responses import ChatResponse, CompletionResponse, event_stream
-from edgeserve.text.chat_template import ChatTemplateError
+from edgeserve.server.openai.protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    template_messages,
+)
+from edgeserve.server.openai.response_store import ResponseStore, StoredResponse
+from edgeserve.server.openai.responses import ChatResponse, CompletionResponse, ResponsesAnswer, event_stream
+from edgeserve.text.tool_calls import tools_grammar
 
 if TYPE_CHECKING:
     from edgeserve.server.app import Server
@@ -27,6 +34,8 @@ def router(server: Server) -> APIRouter:
     routes.add_api_route("/models", api.list_models, methods=["GET"], response_model=None)
     routes.add_api_route("/chat/completions", api.chat_completions, methods=["POST"], response_model=None)
     routes.add_api_route("/completions", api.completions, methods=["POST"], response_model=None)
+    routes.add_api_route("/responses", api.responses, methods=["POST"], response_model=None)
+    routes.add_api_route("/responses/{response_id}", api.stored_response, methods=["GET"], response_model=None)
     return routes
 
 
@@ -34,12 +43,16 @@ class _OpenAI:
     def __init__(self, server: Server):
         self.server = server
         self.aengine = server.aengine
+        self.stored = ResponseStore()
 
     async def _params(self, body: ChatCompletionRequest | CompletionRequest, max_tokens: int, logprobs: int | None,
-                      grammar: str | None = None) -> SamplingParams:
-        """The body's sampling parameters, with their grammar compiled; a 400 naming the field at fault."""
+                      grammar: str | None = None, trigger: str | None = None,
+                      in_reasoning: bool = False) -> SamplingParams:
+        """The body's sampling parameters, with their grammar compiled (bound once the answer writes trigger, or
+        after the reasoning section the prompt opened); a 400 naming the field at fault."""
         try:
-            params = body.sampling_params(max_tokens, logprobs, grammar, self.aengine.info.sampling_defaults)
+            params = body.sampling_params(max_tokens, logprobs, grammar, self.aengine.info.sampling_defaults, trigger)
+            params = self.server.after_reasoning(params, in_reasoning)
             await self.aengine.compile_grammar(params)
         except InvalidParamsError as exc:
             raise APIError(400, str(exc), param=body.api_param(exc.param), code="invalid_value") from exc
@@ -54,23 +67,20 @@ class _OpenAI:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> object:
         server = self.server
         server.check_model(body.model)
-        messages = [m.as_template_message() for m in body.messages]
-        server.check_text_length(sum(len(m["content"]) for m in messages), "messages")
         tools = body.offered_tools()
-        try:
-            ids = await self.aengine.chat_prompt(messages, tools)
-        except ChatTemplateError as exc:
-            raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
-        server.check_prompt(ids, "messages")
+        ids = await server.chat_prompt([m.as_template_message() for m in body.messages], tools, "messages")
         max_tokens = body.requested_max_tokens or self.aengine.info.max_model_len  # the engine caps it at the context
         tool_format = self.aengine.tool_format
-        forced = body.forced_tools()
-        grammar = None
-        if forced:
-            grammar = tool_format.grammar(forced, body.parallel_tool_calls and body.choice == "required")
-        params = await self._params(body, max_tokens, body.num_logprobs, grammar)
+        forced = body.forced_tools() is not None
+        # Under tool_choice auto the calls follow the tools' schemas too, unless the answer has a grammar of its own.
+        free = all(v is None for v in body.constraint().values())
+        grammar, trigger = tools_grammar(tool_format, tools if forced or free else None, forced,
+                                         body.parallel_tool_calls and body.choice != "named")
+        in_reasoning = server.opens_reasoning(ids)
+        params = await self._params(body, max_tokens, body.num_logprobs, grammar, trigger, in_reasoning)
         gen = server.start("chatcmpl", [ids], params, body.n, body.seed, body.stream)
-        response = ChatResponse(gen, server.model_name, self.aengine.tokenizer, tool_format if tools else None)
+        response = ChatResponse(gen, server.model_name, self.aengine.tokenizer, tool_format if tools else None,
+                                reasoning=body.reasoning_format != "none", in_reasoning=in_reasoning)
         if body.stream:
             return event_stream(response.events(body.include_usage))
         await gen.wait(request)
@@ -95,3 +105,56 @@ class _OpenAI:
             return event_stream(response.events(body.include_usage))
         await gen.wait(request)
         return response.body()
+
+    async def responses(self, body: ResponsesRequest, request: Request) -> object:
+        server = self.server
+        server.check_model(body.model)
+        history: list[dict] = []
+        if body.previous_response_id is not None:
+            previous = self.stored.get(body.previous_response_id)
+            if previous is None:
+                raise APIError(404, f"no stored response {body.previous_response_id!r} (this server keeps the last "
+                                    f"{self.stored.size} stored responses, in memory)", param="previous_response_id",
+                               code="not_found")
+            history = previous.conversation
+        conversation = history + template_messages(body.input_items())
+        instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        tools = body.offered_tools()
+        ids = await server.chat_prompt(instructions + conversation, tools, "input")
+        tool_format = self.aengine.tool_format
+        forced = body.forced_tools() is not None
+        grammar, trigger = tools_grammar(tool_format, tools if forced or body.output_schema is None else None, forced,
+                                         body.parallel_tool_calls and body.choice != "named")
+        max_tokens = body.max_output_tokens or self.aengine.info.max_model_len
+        in_reasoning = server.opens_reasoning(ids)
+        try:
+            params = body.sampling_params(max_tokens, grammar, trigger, self.aengine.info.sampling_defaults)
+            params = server.after_reasoning(params, in_reasoning)
+            await self.aengine.compile_grammar(params)
+        except InvalidParamsError as exc:
+            param = {"json_schema": "text.format", "grammar": "tools"}.get(exc.param, exc.param)
+            raise APIError(400, str(exc), param=param, code="invalid_value") from exc
+        gen = server.start("resp", [ids], params, 1, None, body.stream)
+        echo = body.model_dump(include={"instructions", "tools", "parallel_tool_calls", "max_output_tokens",
+                                        "temperature", "top_p", "previous_response_id", "store", "metadata"})
+        echo["tool_choice"] = body.tool_choice.model_dump() if body.choice == "named" else body.choice
+        echo["tools"] = echo["tools"] or []
+        echo["text"] = {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
+                        if body.text and body.text.format else {"type": "text"}}
+
+        def store(response: dict, message: dict) -> None:
+            if body.store:
+                self.stored.put(StoredResponse(response, [*conversation, message]))
+
+        answer = ResponsesAnswer(gen, server.model_name, tool_format if tools else None, in_reasoning, echo, store)
+        if body.stream:
+            return answer.stream()
+        await gen.wait(request)
+        return answer.body()
+
+    async def stored_response(self, response_id: str) -> dict:
+        stored = self.stored.get(response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response {response_id!r} (this server keeps the last {self.stored.size} "
+                                "stored responses, in memory)", code="not_found")
+        return stored.body

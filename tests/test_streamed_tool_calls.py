@@ -1,0 +1,73 @@
+"""Chat Completions tool calls streamed as they are written, on the real default model with the official client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import jsonschema
+import openai
+import pytest
+
+from loopback import serving
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 24},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+MARKUP = ("<tool_call>", "</tool_call>", '{"name"')
+
+
+@pytest.fixture(scope="module")
+def client(loaded_model) -> Iterator[openai.OpenAI]:
+    with serving(loaded_model, "model") as server:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_a_call_streams_its_arguments_in_fragments_as_openai_does(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(model="model", messages=ASK, tools=[WEATHER], tool_choice=FORCED,
+                                                 temperature=0, max_tokens=120, stream=True))
+    calls = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
+    first, rest = calls[0], calls[1:]
+    assert first.id.startswith("call_") and first.type == "function"
+    assert first.function.name == "get_weather" and first.function.arguments == ""
+    assert len(rest) >= 3 and all(c.id is None and c.function.name is None and c.index == 0 for c in rest)
+    arguments = "".join(c.function.arguments for c in rest)
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not any(c.choices and c.choices[0].delta.content for c in chunks)
+    whole = client.chat.completions.create(model="model", messages=ASK, tools=[WEATHER], tool_choice=FORCED,
+                                           temperature=0, max_tokens=120).choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in whole.tool_calls] == [("get_weather", arguments)]
+
+
+@pytest.mark.parametrize("max_tokens", [3, 12])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_ends_with_length_and_no_markup(client: openai.OpenAI, max_tokens: int,
+                                                                  stream: bool) -> None:
+    kwargs = dict(model="model", messages=ASK, tools=[WEATHER], tool_choice=FORCED, temperature=0,
+                  max_tokens=max_tokens)
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        content, finish = choice.message.content or "", choice.finish_reason
+        assert not choice.message.tool_calls  # a half call is no call
+    assert finish == "length"
+    assert not any(m in content for m in MARKUP), content
+
+
+def test_auto_tool_choice_keeps_markup_out_and_calls_valid(client: openai.OpenAI) -> None:
+    for seed in range(4):
+        reply = client.chat.completions.create(model="model", messages=ASK, tools=[WEATHER], seed=seed,
+                                               temperature=1.0, max_tokens=80).choices[0]
+        assert not any(m in (reply.message.content or "") for m in MARKUP[:2]), reply.message.content
+        # a call the model opens follows the tool's schema (the grammar binds from the marker on)
+        for call in reply.message.tool_calls or []:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
