@@ -64,13 +64,23 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
               help="A Host name to accept besides loopback names and IP addresses (repeatable; '*' accepts "
                    "any). Others get 403, which stops DNS-rebinding web pages.")
+@click.option("--cors-origins", default="", metavar="ORIGINS",
+              help="Web origins (comma-separated, e.g. http://localhost:3000) whose pages may call the API from a "
+                   "browser; off by default. '*' (any page) needs --cors-allow-all too.")
+@click.option("--cors-allow-all", is_flag=True, help="Let --cors-origins be '*': any web page you open may call "
+                                                     "the API (set --api-key).")
 @click.option("--shutdown-timeout", default=DEFAULT_SHUTDOWN_TIMEOUT, show_default=True, type=click.FloatRange(0),
               help="On SIGTERM or Ctrl-C, seconds running requests get to finish (new ones get 503) before the "
                    "rest are aborted. A second signal aborts them at once.")
 def serve(model: str, config: EngineConfig, host: str, port: int, api_key: str | None,
           aliases: tuple[str, ...], max_queue: int, max_body_size: int, allowed_hosts: tuple[str, ...],
-          shutdown_timeout: float) -> None:
-    """Serve a model over the OpenAI API (chat and text completions, streaming) for local tools."""
+          cors_origins: str, cors_allow_all: bool, shutdown_timeout: float) -> None:
+    """Serve a model over the OpenAI and Anthropic APIs (chat and text completions, Responses, Messages;
+    streaming) for local tools."""
+    origins = [o.strip().rstrip("/") for o in cors_origins.split(",") if o.strip()]
+    if "*" in origins and not cors_allow_all:
+        raise click.UsageError("--cors-origins '*' lets every web page you open use this server; add "
+                               "--cors-allow-all to mean it")
     sock = _listen(host, port)
     engine = build_engine(model, config)
     # the server's modules (FastAPI, uvicorn) load here, so --help and a taken port answer at once
@@ -83,7 +93,7 @@ def serve(model: str, config: EngineConfig, host: str, port: int, api_key: str |
     aengine = AsyncEngine(engine)
     name = served_model_name(model)
     app = create_app(aengine, name, api_key=api_key, max_queue=max_queue, max_body_size=max_body_size,
-                     allowed_hosts=(host, *allowed_hosts), aliases=aliases)
+                     allowed_hosts=(host, *allowed_hosts), aliases=aliases, cors_origins=origins)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     if not api_key and not _is_loopback(host):
         click.echo(f"warning: listening on {host} without an API key; anyone who can reach it can use it", err=True)

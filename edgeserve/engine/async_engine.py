@@ -67,9 +67,9 @@ class AsyncEngine:
         """The token ids of messages rendered through the model's chat template, offering tools."""
         return await asyncio.to_thread(self.prompts.chat, messages, tools, add_generation_prompt)
 
-    async def tokenize(self, text: str) -> list[int]:
-        """A plain text prompt's token ids."""
-        return await asyncio.to_thread(self.prompts.encode, text)
+    async def tokenize(self, text: str, add_special: bool | None = None) -> list[int]:
+        """A plain text prompt's token ids, with BOS where the model wants one (add_special None) or as told."""
+        return await asyncio.to_thread(self.prompts.encode, text, add_special)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise PromptTooLongError where the prompt cannot run even alone, EdgeserveError where it is malformed.

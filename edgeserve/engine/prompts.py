@@ -44,9 +44,9 @@ class Prompts:
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         return self.tokenizer.encode(text, add_bos=False)
 
-    def encode(self, text: str) -> list[int]:
-        """A plain text prompt's token ids (with BOS where the model wants one)."""
-        return self.tokenizer.encode(text)
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """A plain text prompt's token ids (with BOS where the model wants one, add_bos None, or as told)."""
+        return self.tokenizer.encode(text, add_bos)
 
     def check(self, prompt_ids: list[int]) -> None:
         """Raise PromptTooLongError where the prompt cannot run even alone, EdgeserveError where it is malformed."""

@@ -14,12 +14,13 @@ import uuid
 from collections.abc import Iterable
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.models.catalog import CATALOG
 from edgeserve.sampling_params import SamplingParams
-from edgeserve.server import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, anthropic, openai, status
+from edgeserve.server import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, anthropic, llama_cpp, openai, status
 from edgeserve.server.errors import APIError, add_error_handlers
 from edgeserve.server.generation import Choice, Generation
 from edgeserve.server.metrics import ServerMetrics
@@ -60,10 +61,15 @@ class Server:
 
     # checks -------------------------------------------------------------------
 
-    def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested not in self.model_names:
+    def check_model(self, requested: str | None) -> str:
+        """The name an answer carries: the one the request gave (an alias stays the alias), else the served
+        name; a 404 for a name this server does not serve."""
+        if requested is None:
+            return self.model_name
+        if requested not in self.model_names:
             raise APIError(404, f"the model {requested!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
+        return requested
 
     def check_text_length(self, chars: int, param: str) -> None:
         """Refuse text too long for the context at any tokenization, before tokenizing it."""
@@ -169,10 +175,12 @@ class Server:
 
 def create_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None,
                max_queue: int = DEFAULT_MAX_QUEUE, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
-               allowed_hosts: Iterable[str] = (), aliases: Iterable[str] = ()) -> FastAPI:
+               allowed_hosts: Iterable[str] = (), aliases: Iterable[str] = (),
+               cors_origins: Iterable[str] = ()) -> FastAPI:
     """The server app; `model_name` is the id clients pass as `model` (the catalog name and `aliases` work too).
 
-    Host headers must name loopback, an IP address, or one of `allowed_hosts` ("*" allows any).
+    Host headers must name loopback, an IP address, or one of `allowed_hosts` ("*" allows any). Web pages from
+    `cors_origins` ("*": any) may call the API from a browser; the API key still applies to their requests.
     """
     server = Server(aengine, model_name, max_queue, aliases)
     app = FastAPI(title="edgeserve", description="OpenAI- and Anthropic-compatible local LLM server")
@@ -181,8 +189,13 @@ def create_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None
     app.add_middleware(HostGuard, allowed_hosts=frozenset(host_name(h) if h != "*" else h for h in allowed_hosts),
                        max_body_size=max_body_size)
     app.add_middleware(Gate, server=server, api_key=api_key)
+    if origins := list(dict.fromkeys(cors_origins)):
+        # outermost: a browser's preflight carries no key, and every answer (a 401 too) needs the headers
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["*"], max_age=600)
     add_error_handlers(app)
     app.include_router(openai.router(server))
     app.include_router(anthropic.router(server))
     app.include_router(status.router(server))
+    app.include_router(llama_cpp.router(server))
     return app

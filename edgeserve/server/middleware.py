@@ -95,8 +95,13 @@ class HostGuard:
         await self.app(scope, replay, send)
 
 
+# llama.cpp's routes outside /v1 that the API key guards too
+KEYED_ROOT_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
 class Gate:
-    """For the API (/v1): the API-key check, 503 while shutting down, and a count of answers by status code."""
+    """For the API (/v1, /tokenize, /detokenize): the API-key check, 503 while shutting down, and a count of
+    answers by status code."""
 
     def __init__(self, app: ASGIApp, server: Server, api_key: str | None):
         self.app = app
@@ -115,7 +120,7 @@ class Gate:
         return hmac.compare_digest(headers.get("x-api-key", "").strip().encode(), key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in KEYED_ROOT_PATHS):
             await self.app(scope, receive, send)
             return
 

@@ -36,7 +36,7 @@ class _Anthropic:
 
     async def messages(self, body: MessagesRequest, request: Request) -> object:
         server = self.server
-        server.check_model(body.model)
+        model = server.check_model(body.model)
         tools = body.offered_tools()
         ids = await server.chat_prompt(body.template_messages(), tools, "messages")
         tool_format = self.aengine.tool_format
@@ -50,7 +50,7 @@ class _Anthropic:
             param = "tools" if exc.param == "grammar" else exc.param
             raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from exc
         gen = server.start("msg", [ids], params, 1, None, body.stream)
-        response = MessageResponse(gen, server.model_name, tool_format if tools else None, in_reasoning)
+        response = MessageResponse(gen, model, tool_format if tools else None, in_reasoning)
         if body.stream:
             return event_stream(response.events())
         await gen.wait(request)

@@ -32,6 +32,7 @@ def router(server: Server) -> APIRouter:
     api = _OpenAI(server)
     routes = APIRouter(prefix="/v1")
     routes.add_api_route("/models", api.list_models, methods=["GET"], response_model=None)
+    routes.add_api_route("/models/{model_id:path}", api.model, methods=["GET"], response_model=None)
     routes.add_api_route("/chat/completions", api.chat_completions, methods=["POST"], response_model=None)
     routes.add_api_route("/completions", api.completions, methods=["POST"], response_model=None)
     routes.add_api_route("/responses", api.responses, methods=["POST"], response_model=None)
@@ -58,15 +59,19 @@ class _OpenAI:
             raise APIError(400, str(exc), param=body.api_param(exc.param), code="invalid_value") from exc
         return params
 
+    def _model(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.server.started, "owned_by": "edgeserve",
+                "max_model_len": self.aengine.info.max_model_len}
+
     async def list_models(self) -> dict:
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": self.server.started, "owned_by": "edgeserve",
-            "max_model_len": self.aengine.info.max_model_len,
-        } for name in self.server.listed_names]}
+        return {"object": "list", "data": [self._model(name) for name in self.server.listed_names]}
+
+    async def model(self, model_id: str) -> dict:
+        return self._model(self.server.check_model(model_id))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> object:
         server = self.server
-        server.check_model(body.model)
+        model = server.check_model(body.model)
         tools = body.offered_tools()
         ids = await server.chat_prompt([m.as_template_message() for m in body.messages], tools, "messages")
         max_tokens = body.requested_max_tokens or self.aengine.info.max_model_len  # the engine caps it at the context
@@ -79,7 +84,7 @@ class _OpenAI:
         in_reasoning = server.opens_reasoning(ids)
         params = await self._params(body, max_tokens, body.num_logprobs, grammar, trigger, in_reasoning)
         gen = server.start("chatcmpl", [ids], params, body.n, body.seed, body.stream)
-        response = ChatResponse(gen, server.model_name, self.aengine.tokenizer, tool_format if tools else None,
+        response = ChatResponse(gen, model, self.aengine.tokenizer, tool_format if tools else None,
                                 reasoning=body.reasoning_format != "none", in_reasoning=in_reasoning)
         if body.stream:
             return event_stream(response.events(body.include_usage))
@@ -88,7 +93,7 @@ class _OpenAI:
 
     async def completions(self, body: CompletionRequest, request: Request) -> object:
         server = self.server
-        server.check_model(body.model)
+        model = server.check_model(body.model)
         prompts = []
         for p in body.prompts():
             if isinstance(p, str):
@@ -100,7 +105,7 @@ class _OpenAI:
             prompts.append(ids)
         params = await self._params(body, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs)
         gen = server.start("cmpl", prompts, params, body.n, body.seed, body.stream)
-        response = CompletionResponse(gen, server.model_name, self.aengine.tokenizer)
+        response = CompletionResponse(gen, model, self.aengine.tokenizer)
         if body.stream:
             return event_stream(response.events(body.include_usage))
         await gen.wait(request)
@@ -108,7 +113,7 @@ class _OpenAI:
 
     async def responses(self, body: ResponsesRequest, request: Request) -> object:
         server = self.server
-        server.check_model(body.model)
+        model = server.check_model(body.model)
         history: list[dict] = []
         if body.previous_response_id is not None:
             previous = self.stored.get(body.previous_response_id)
@@ -146,7 +151,7 @@ class _OpenAI:
             if body.store:
                 self.stored.put(StoredResponse(response, [*conversation, message]))
 
-        answer = ResponsesAnswer(gen, server.model_name, tool_format if tools else None, in_reasoning, echo, store)
+        answer = ResponsesAnswer(gen, model, tool_format if tools else None, in_reasoning, echo, store)
         if body.stream:
             return answer.stream()
         await gen.wait(request)
