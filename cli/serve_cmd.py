@@ -64,7 +64,7 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
               help="A Host name to accept besides loopback names and IP addresses (repeatable; '*' accepts "
                    "any). Others get 403, which stops DNS-rebinding web pages.")
-@click.option("--cors-origins", default="", metavar="ORIGINS",
+@click.option("--cors-origins", default=None, metavar="ORIGINS",
               help="Web origins (comma-separated, e.g. http://localhost:3000) whose pages may call the API from a "
                    "browser; off by default. '*' (any page) needs --cors-allow-all too.")
 @click.option("--cors-allow-all", is_flag=True, help="Let --cors-origins be '*': any web page you open may call "
@@ -74,10 +74,10 @@ def _listen(host: str, port: int) -> socket.socket:
                    "rest are aborted. A second signal aborts them at once.")
 def serve(model: str, config: EngineConfig, host: str, port: int, api_key: str | None,
           aliases: tuple[str, ...], max_queue: int, max_body_size: int, allowed_hosts: tuple[str, ...],
-          cors_origins: str, cors_allow_all: bool, shutdown_timeout: float) -> None:
-    """Serve a model over the OpenAI and Anthropic APIs (chat and text completions, Responses, Messages;
-    streaming) for local tools."""
-    origins = [o.strip().rstrip("/") for o in cors_origins.split(",") if o.strip()]
+          cors_origins: str | None, cors_allow_all: bool, shutdown_timeout: float) -> None:
+    """Serve a model over the OpenAI and Anthropic APIs (completions, Responses, Messages; streaming) for local
+    tools."""
+    origins = [o.strip().rstrip("/") for o in (cors_origins or "").split(",") if o.strip()]
     if "*" in origins and not cors_allow_all:
         raise click.UsageError("--cors-origins '*' lets every web page you open use this server; add "
                                "--cors-allow-all to mean it")

@@ -2,7 +2,7 @@
 sends, the answer is never a 5xx, every 4xx carries an OpenAI-style error, and the server goes on
 serving normal requests with no KV blocks left behind.
 
-Each test runs FUZZ_EXAMPLES examples (20 in the quick loop, 60 in CI); set EDGESERVE_FUZZ_EXAMPLES for a
+Each test runs FUZZ_EXAMPLES examples (10 in the quick loop, 60 in CI); set EDGESERVE_FUZZ_EXAMPLES for a
 longer one, e.g. EDGESERVE_FUZZ_EXAMPLES=5000.
 """
 
@@ -24,7 +24,7 @@ from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.server.app import create_app
 from loopback import ServerThread
 
-FUZZ_EXAMPLES = int(os.environ.get("EDGESERVE_FUZZ_EXAMPLES", "60" if "CI" in os.environ else "20"))
+FUZZ_EXAMPLES = int(os.environ.get("EDGESERVE_FUZZ_EXAMPLES", "60" if "CI" in os.environ else "10"))
 # A pool of 128 tokens caps every answer at the context, so the largest max_tokens or n stays quick.
 POOL_BYTES = 8 * 16 * 512  # blocks x block size x the tiny model's KV bytes per token
 http = httpx.Client(timeout=60)
