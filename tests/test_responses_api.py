@@ -36,6 +36,7 @@ def test_create_answers_and_is_stored(client: openai.OpenAI) -> None:
     assert client.responses.retrieve(response.id).output_text == response.output_text
     cut = client.responses.create(model="model", input=ASK, max_output_tokens=2)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.output[-1].status == "incomplete"  # the message it cut, too
     unstored = client.responses.create(model="model", input=ASK, max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)

@@ -250,7 +250,7 @@ class ResponsesAnswer:
         events = self.answer.feed("".join(self.choice.text)) + self.answer.finish(cut=self._status() == "incomplete")
         for event in events:
             self.items.render(event)
-        self.items.close()
+        self.items.close(cut=self._status() == "incomplete")
         return self._finished()
 
     def _event(self, payload: dict) -> str:
@@ -276,7 +276,7 @@ class ResponsesAnswer:
             for e in events:
                 for payload in self.items.render(e):
                     yield event(payload)
-        for payload in self.items.close():
+        for payload in self.items.close(cut=self._status() == "incomplete"):
             yield event(payload)
         body = self._finished()
         yield event({"type": f"response.{body['status']}", "response": body})
@@ -293,7 +293,8 @@ class _OutputItems:
     def index(self) -> int:
         return len(self.done)
 
-    def close(self) -> list[dict]:
+    def close(self, cut: bool = False) -> list[dict]:
+        """The open item's closing events; cut (at max_output_tokens) leaves it "incomplete", as OpenAI does."""
         item, self.item = self.item, None
         if item is None:
             return []
@@ -311,7 +312,7 @@ class _OutputItems:
             payloads.append({"type": "response.function_call_arguments.done", **where, "name": item["name"],
                              "arguments": item["arguments"]})
         if item["status"] == "in_progress":
-            item["status"] = "completed"
+            item["status"] = "incomplete" if cut else "completed"
         payloads.append({"type": "response.output_item.done", "output_index": self.index, "item": item})
         self.done.append(item)
         return payloads
