@@ -515,16 +515,32 @@ static inline AVX2_TARGET __attribute__((always_inline)) __m256i move_bits(__m25
     return from >= to ? _mm256_srli_epi32(h, from - to) : _mm256_slli_epi32(h, to - from);
 }
 
+/* Word j of a group as bytes: lo its low nibbles, hi its high ones, each with its HB high bits (from the
+   group's high-bit word hw) placed above the nibble. */
+static inline AVX2_TARGET __attribute__((always_inline)) void
+avx2_nibbles(__m256i v, __m256i hw, const int j, const int HB, __m256i *lo, __m256i *hi) {
+    const __m256i m0f = _mm256_set1_epi8(0x0f);
+    /* the high bits of bytes 0 and 2 (at bit 4 of each int16 half), and of bytes 1 and 3 */
+    const __m256i hmA = _mm256_set1_epi32(HB == 1 ? 0x00100010 : 0x00300030);
+    const __m256i hmB = _mm256_set1_epi32(HB == 1 ? 0x10001000 : 0x30003000);
+    *lo = _mm256_and_si256(v, m0f);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+    if (HB) {
+        const int hb0 = HB * 4 * j;
+        *lo = _mm256_or_si256(*lo, _mm256_or_si256(_mm256_and_si256(move_bits(hw, hb0, 4), hmA),
+                                                   _mm256_and_si256(move_bits(hw, hb0 + 2 * HB, 12), hmB)));
+        *hi = _mm256_or_si256(*hi, _mm256_or_si256(_mm256_and_si256(move_bits(hw, hb0 + HB, 4), hmA),
+                                                   _mm256_and_si256(move_bits(hw, hb0 + 3 * HB, 12), hmB)));
+    }
+}
+
 /* One row block's group g of 8 columns (half h of the panel): the rows' int32 dots in acc. */
 static inline AVX2_TARGET __attribute__((always_inline)) void
 avx2_group8(const Task *t, const uint32_t *wp, const uint32_t *hp, int g, int h, const int8_t *xg, __m256i *acc,
             const int RB, const int HB, const int BITS, const int GC) {
     const int K = t->K, G = GC ? GC : t->group, epw = 32 / BITS, wpg = G / epw;
     const int FL = BITS == 8 ? 1 : HB == 0 ? 4 : HB == 1 ? 2 : 1;
-    const __m256i m0f = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    /* the high bits of bytes 0 and 2 (at bit 4 of each int16 half), and of bytes 1 and 3 */
-    const __m256i hmA = _mm256_set1_epi32(HB == 1 ? 0x00100010 : 0x00300030);
-    const __m256i hmB = _mm256_set1_epi32(HB == 1 ? 0x10001000 : 0x30003000);
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     const uint32_t *wg = wp + (size_t)g * wpg * PANEL + 8 * h;
     __m256i s16[2] = {0};
     for (int r = 0; r < RB; r++) acc[r] = _mm256_setzero_si256();
@@ -540,14 +556,8 @@ avx2_group8(const Task *t, const uint32_t *wp, const uint32_t *hp, int g, int h,
             }
             continue;
         }
-        __m256i lo = _mm256_and_si256(v, m0f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
-        if (HB) {
-            const int hb0 = HB * 4 * j;
-            lo = _mm256_or_si256(lo, _mm256_or_si256(_mm256_and_si256(move_bits(hw, hb0, 4), hmA),
-                                                     _mm256_and_si256(move_bits(hw, hb0 + 2 * HB, 12), hmB)));
-            hi = _mm256_or_si256(hi, _mm256_or_si256(_mm256_and_si256(move_bits(hw, hb0 + HB, 4), hmA),
-                                                     _mm256_and_si256(move_bits(hw, hb0 + 3 * HB, 12), hmB)));
-        }
+        __m256i lo, hi;
+        avx2_nibbles(v, hw, j, HB, &lo, &hi);
         for (int r = 0; r < RB; r++) {
             const int8_t *x = xg + (size_t)r * K + 8 * j;
             __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast32(x)), _mm256_maddubs_epi16(hi, bcast32(x + 4)));
@@ -641,8 +651,7 @@ avx2_half4(const Task *t, int p, int h, int r0, const int RB, const int BITS, co
     const uint32_t *wp = t->w + (size_t)p * (K / epw) * PANEL + 8 * h;
     const uint32_t *hp = HB ? t->hw + (size_t)p * (K * HB / 32) * PANEL + 8 * h : NULL;
     const int8_t *x = t->x8 + (size_t)r0 * K;
-    const __m256i m0f = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    const __m256i hmA = _mm256_set1_epi32(0x00300030), hmB = _mm256_set1_epi32(0x30003000);
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     __m256 facc[4];
     for (int r = 0; r < RB; r++) facc[r] = _mm256_setzero_ps();
     for (int g = 0; g < ng; g++) {
@@ -662,14 +671,8 @@ avx2_half4(const Task *t, int p, int h, int r0, const int RB, const int BITS, co
                 }
                 continue;
             }
-            __m256i lo = _mm256_and_si256(v, m0f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
-            if (HB) {
-                const int hb0 = HB * 4 * j;
-                lo = _mm256_or_si256(lo, _mm256_or_si256(_mm256_and_si256(move_bits(hw, hb0, 4), hmA),
-                                                         _mm256_and_si256(move_bits(hw, hb0 + 2 * HB, 12), hmB)));
-                hi = _mm256_or_si256(hi, _mm256_or_si256(_mm256_and_si256(move_bits(hw, hb0 + HB, 4), hmA),
-                                                         _mm256_and_si256(move_bits(hw, hb0 + 3 * HB, 12), hmB)));
-            }
+            __m256i lo, hi;
+            avx2_nibbles(v, hw, j, HB, &lo, &hi);
 #pragma GCC unroll 4
             for (int r = 0; r < RB; r++) {
                 const int8_t *xr = x + (size_t)r * K + g * G + 8 * j;
