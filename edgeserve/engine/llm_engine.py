@@ -63,6 +63,10 @@ class EngineInfo:
     num_blocks: int  # blocks in the KV pool
     memory_bytes: int  # the weights as the backend holds them, and the KV pool
     sampling_defaults: SamplingDefaults  # what requests sample with where they do not say
+    architecture: str  # the model family ("llama", "qwen3", "gemma3_text", ...)
+    model_format: str  # "gguf", "safetensors" or "mlx"
+    num_parameters: int
+    quantization: str  # e.g. "Q4_1 (4-bit, group 32) + Q8_0 embeddings"
 
     def check_prompt(self, prompt_ids: list[int], scored_only: bool = False) -> None:
         """Raise PromptTooLongError when the prompt cannot run even alone (with room for a token after
@@ -106,7 +110,8 @@ class LLMEngine:
             model_name=model.source.name, backend=self.backend.name, context_len=self.context_len,
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, block_size=self.pool_size.block_size,
             num_blocks=self.pool_size.num_blocks, memory_bytes=self._weight_bytes() + self.pool_size.bytes,
-            sampling_defaults=model.sampling_defaults)
+            sampling_defaults=model.sampling_defaults, architecture=model.args.model_type, model_format=model.format,
+            num_parameters=model.num_parameters, quantization=model.quantization())
         self.constraints = Constraints(self.tokenizer, self.vocab_size)
         self._ids = itertools.count()
         self._stats = EngineStats()

@@ -20,7 +20,7 @@ from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.models.catalog import CATALOG
 from edgeserve.sampling_params import SamplingParams
-from edgeserve.server import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, anthropic, llama_cpp, openai, status
+from edgeserve.server import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, anthropic, llama_cpp, ollama, openai, status
 from edgeserve.server.errors import APIError, add_error_handlers
 from edgeserve.server.generation import Choice, Generation
 from edgeserve.server.metrics import ServerMetrics
@@ -198,4 +198,5 @@ def create_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None
     app.include_router(anthropic.router(server))
     app.include_router(status.router(server))
     app.include_router(llama_cpp.router(server))
+    app.include_router(ollama.router(server))
     return app

@@ -21,6 +21,10 @@ ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_erro
                          500: "api_error", 503: "overloaded_error"}
 
 
+# Ollama's API answers errors as {"error": message}.
+OLLAMA_PATHS = "/api/"
+
+
 def anthropic_error_body(status: int, message: str) -> dict:
     """Anthropic's error shape, which its clients read."""
     return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
@@ -36,6 +40,8 @@ class APIError(Exception):
 
     def response(self, path: str = "") -> JSONResponse:
         """The answer to a request for path."""
+        if path.startswith(OLLAMA_PATHS):
+            return JSONResponse({"error": self.message}, status_code=self.status)
         if path.startswith(ANTHROPIC_PATHS):
             return JSONResponse(anthropic_error_body(self.status, self.message), status_code=self.status)
         return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)

@@ -95,12 +95,12 @@ class HostGuard:
         await self.app(scope, replay, send)
 
 
-# llama.cpp's routes outside /v1 that the API key guards too
+# llama.cpp's routes outside /v1 and /api (Ollama's) that the API key guards too
 KEYED_ROOT_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 class Gate:
-    """For the API (/v1, /tokenize, /detokenize): the API-key check, 503 while shutting down, and a count of
+    """For the APIs (/v1, Ollama's /api, /tokenize, /detokenize): the API-key check, 503 while shutting down, and a count of
     answers by status code."""
 
     def __init__(self, app: ASGIApp, server: Server, api_key: str | None):
@@ -120,7 +120,8 @@ class Gate:
         return hmac.compare_digest(headers.get("x-api-key", "").strip().encode(), key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in KEYED_ROOT_PATHS):
+        path = scope["path"]
+        if scope["type"] != "http" or not (path.startswith(("/v1/", "/api/")) or path in KEYED_ROOT_PATHS):
             await self.app(scope, receive, send)
             return
 

@@ -1,0 +1,95 @@
+"""Ollama's request bodies, validated by pydantic, and the sampling parameters they ask for: its `options` (as
+Modelfile parameters name them), `format` ("json" or a JSON Schema), `keep_alive` (accepted: one model stays
+loaded)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from edgeserve.sampling_params import SamplingDefaults, SamplingParams
+
+# Ollama's num_predict: -1 generates until the model stops or the context is full, as does -2.
+UNTIL_DONE = (-1, -2)
+
+
+class Options(BaseModel):
+    """The options that change an answer; others Ollama takes (num_ctx, num_thread, ...) are set per server."""
+
+    model_config = ConfigDict(extra="ignore")
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    num_predict: int | None = None
+    stop: list[str] | None = None
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    stream: bool = True
+    options: Options = Options()
+    format: Literal["json"] | dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+
+    def sampling_params(self, defaults: SamplingDefaults, context: int) -> SamplingParams:
+        """The engine's parameters: the options over the model's defaults, `format` as the answer's grammar."""
+        o = self.options
+        sampling = defaults.apply({"temperature": o.temperature, "top_p": o.top_p, "top_k": o.top_k,
+                                   "min_p": o.min_p, "repetition_penalty": o.repeat_penalty,
+                                   "repeat_last_n": o.repeat_last_n, "presence_penalty": o.presence_penalty,
+                                   "frequency_penalty": o.frequency_penalty})
+        limit = o.num_predict
+        max_tokens = context if limit is None or limit in UNTIL_DONE else limit
+        schema = {"type": "object"} if self.format == "json" else self.format
+        return SamplingParams(max_tokens=max_tokens, **sampling, seed=o.seed, stop=list(o.stop or []),
+                              json_schema=schema)
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: dict[str, Any] = {}
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    function: ToolCallFunction
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    tool_calls: list[ToolCall] | None = None
+    images: list[str] | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The dict chat templates expect, with Hugging Face's shape of tool calls."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [{"type": "function", "function": c.function.model_dump()} for c in self.tool_calls]
+        return message
+
+
+class ChatRequest(Body):
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateRequest(Body):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False  # the prompt as is, without the chat template
+
+
+class ShowRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
