@@ -159,6 +159,7 @@ class Model(Protocol):
     args: ModelArgs
     layer_weights: tuple[str, ...]  # each layer's weights under Hugging Face names, which the loader checks
 
-    def forward(self, batch: Batch, kv: KVPool) -> Array:
-        """Run one step over the ragged batch; return logits of the rows in batch.logits_indices."""
+    def forward(self, batch: Batch, kv: KVPool, hidden: bool = False) -> Array:
+        """Run one step over the ragged batch; return logits of the rows in batch.logits_indices (hidden: their
+        final hidden states, normed, as embeddings pool them)."""
         ...

@@ -208,8 +208,8 @@ class Llama:
         """Logits of final hidden states (normed) [T, hidden]."""
         return self.backend.lm_head(h, self.lm_head)
 
-    def forward(self, batch: Batch, kv: KVPool) -> Array:
-        """Run one step; return logits of the rows in batch.logits_indices."""
+    def forward(self, batch: Batch, kv: KVPool, hidden: bool = False) -> Array:
+        """Run one step; return logits of the rows in batch.logits_indices (hidden: their normed final states)."""
         be = self.backend
         meta = be.batch_meta(batch, self.ropes[0])
         h = self.embed_tokens(meta.token_ids)
@@ -220,4 +220,4 @@ class Llama:
             for i, layer in enumerate(self.layers):
                 h = self.block(layer, i, h, kv, metas[layer.attention.rope])
         h = be.rms_norm(be.take_rows(h, meta.logits_indices), self.norm, self.args.rms_norm_eps)
-        return self.logits(h)
+        return h if hidden else self.logits(h)

@@ -15,6 +15,8 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import numpy as np
+
 from edgeserve.engine.llm_engine import EngineInfo, EngineStats, LLMEngine
 from edgeserve.engine.output import RequestOutput
 from edgeserve.engine.prompts import Prompts
@@ -229,6 +231,10 @@ class AsyncEngine:
         if not self.alive:  # after queueing: the dying thread fails whatever it finds queued
             self._fail_all(EngineDeadError(self.error or "the engine has shut down"))
         return await future
+
+    async def embed(self, prompts: list[list[int]]) -> np.ndarray:
+        """Unit-length embeddings of the prompts (token ids), computed on the engine thread between steps."""
+        return await self.call(lambda engine: engine.embed(prompts))
 
     async def kv_map(self) -> list[tuple[str, list[str]]]:
         """Each KV pool block's state ('free', 'cached', 'used' or 'shared') and the requests holding it."""

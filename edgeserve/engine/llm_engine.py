@@ -276,6 +276,30 @@ class LLMEngine:
         finally:
             self.block_manager.free_seq(seq)
 
+    def embed(self, prompts: list[list[int]]) -> np.ndarray:
+        """Unit-length embeddings [len(prompts), hidden]: each prompt's final hidden states, normed, mean-pooled
+        over its tokens, in one forward pass for all of them.
+
+        Runs outside the scheduler, between steps (the engine thread's `AsyncEngine.call`).
+        """
+        for ids in prompts:
+            self.check_prompt(ids, scored_only=True)
+        seqs = [Sequence(f"embed-{i}", list(ids), SamplingParams(max_tokens=1)) for i, ids in enumerate(prompts)]
+        held = []
+        try:
+            for seq in seqs:
+                if not self.block_manager.allocate_slots(seq, seq.num_tokens):
+                    raise PromptTooLongError(f"{sum(len(p) for p in prompts)} tokens to embed do not fit in the free "
+                                             "KV blocks; send fewer inputs at once")
+                held.append(seq)
+            states = self.runner.run([ScheduledSeq(s, s.num_tokens) for s in seqs], all_rows=True, hidden=True)
+        finally:
+            for seq in held:
+                self.block_manager.free_seq(seq)
+        bounds = np.cumsum([0, *(len(ids) for ids in prompts)])
+        pooled = np.stack([states[a:b].astype(np.float64).mean(axis=0) for a, b in zip(bounds[:-1], bounds[1:])])
+        return (pooled / np.linalg.norm(pooled, axis=1, keepdims=True)).astype(np.float32)
+
     def kv_map(self) -> list[tuple[str, list[str]]]:
         """Each pool block's state ('free', 'cached', 'used' or 'shared') and the requests holding it."""
         states = self.block_manager.block_states()

@@ -59,9 +59,10 @@ class ModelRunner:
             self.kv.k[layer] = self.backend.copy_blocks(self.kv.k[layer], pairs)
             self.kv.v[layer] = self.backend.copy_blocks(self.kv.v[layer], pairs)
 
-    def run(self, scheduled: list[ScheduledSeq], all_rows: bool = False) -> np.ndarray:
-        """Forward the step; return float32 logits [sampling rows (or every row), vocab] as NumPy."""
+    def run(self, scheduled: list[ScheduledSeq], all_rows: bool = False, hidden: bool = False) -> np.ndarray:
+        """Forward the step; return float32 logits [sampling rows (or every row), vocab] as NumPy (hidden: the
+        final hidden states [rows, hidden_size] instead)."""
         batch = self.build_batch(scheduled)
         if all_rows:
             batch.logits_indices = np.arange(len(batch.token_ids))
-        return self.backend.to_numpy(self.model.forward(batch, self.kv))
+        return self.backend.to_numpy(self.model.forward(batch, self.kv, hidden))

@@ -92,6 +92,24 @@ class Server:
         except EdgeserveError as exc:
             raise APIError(400, str(exc), param=param, code="invalid_value") from exc
 
+    async def embed(self, inputs: list[str | list[int]], param: str) -> tuple[list[list[float]], int]:
+        """Unit-length embeddings of the inputs (texts or token ids), batched in one forward pass, and the tokens
+        they took; a 400 naming param where an input cannot run or all do not fit the KV pool at once."""
+        prompts = []
+        for item in inputs:
+            if isinstance(item, str):
+                self.check_text_length(len(item), param)
+                ids = await self.aengine.tokenize(item)
+            else:
+                ids = list(item)
+            self.check_prompt(ids, param)
+            prompts.append(ids)
+        try:
+            vectors = await self.aengine.embed(prompts)
+        except PromptTooLongError as exc:
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from exc
+        return vectors.tolist(), sum(len(p) for p in prompts)
+
     async def chat_prompt(self, messages: list[dict], tools: list[dict] | None, param: str) -> list[int]:
         """Template messages (and tools) as prompt ids through the model's chat template; a 400 naming param where
         they cannot render or run."""

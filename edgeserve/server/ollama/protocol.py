@@ -90,6 +90,21 @@ class GenerateRequest(Body):
     raw: bool = False  # the prompt as is, without the chat template
 
 
+class EmbedRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    input: str | list[str]
+    keep_alive: str | int | float | None = None
+
+
+class EmbeddingsRequest(BaseModel):
+    """The older /api/embeddings: one prompt."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    prompt: str
+
+
 class ShowRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str

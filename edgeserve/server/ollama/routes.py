@@ -1,5 +1,6 @@
 """Ollama's endpoints on the server's engine: /api/chat and /api/generate (NDJSON streamed by default, or one
-body with `stream: false`), /api/tags, /api/ps, /api/show, /api/version.
+body with `stream: false`), /api/embed (and the older /api/embeddings), /api/tags, /api/ps, /api/show,
+/api/version.
 
 Each answer ends with Ollama's counts and timings (nanoseconds): total_duration, load_duration (0: the model is
 loaded), prompt_eval_count and _duration (to the first token), eval_count and _duration (the rest).
@@ -20,7 +21,14 @@ from fastapi.responses import StreamingResponse
 from edgeserve.sampling_params import InvalidParamsError, SamplingParams
 from edgeserve.server.errors import APIError
 from edgeserve.server.generation import Generation
-from edgeserve.server.ollama.protocol import Body, ChatRequest, GenerateRequest, ShowRequest
+from edgeserve.server.ollama.protocol import (
+    Body,
+    ChatRequest,
+    EmbeddingsRequest,
+    EmbedRequest,
+    GenerateRequest,
+    ShowRequest,
+)
 from edgeserve.server.openai.protocol import json_or_text
 from edgeserve.text.tool_stream import AnswerEvents, CallEnded, Event, ReasoningText, Text
 
@@ -36,6 +44,8 @@ def router(server: Server) -> APIRouter:
     routes = APIRouter(prefix="/api")
     routes.add_api_route("/chat", api.chat, methods=["POST"], response_model=None)
     routes.add_api_route("/generate", api.generate, methods=["POST"], response_model=None)
+    routes.add_api_route("/embed", api.embed, methods=["POST"], response_model=None)
+    routes.add_api_route("/embeddings", api.embeddings, methods=["POST"], response_model=None)
     routes.add_api_route("/tags", api.tags, methods=["GET"], response_model=None)
     routes.add_api_route("/ps", api.ps, methods=["GET"], response_model=None)
     routes.add_api_route("/show", api.show, methods=["POST"], response_model=None)
@@ -124,6 +134,20 @@ class _Ollama:
         await gen.wait(request)
         return {"model": name, "created_at": _now(), "response": "".join(gen.choices[0].text),
                 **_done(gen, started)}
+
+    async def embed(self, body: EmbedRequest) -> dict:
+        started = time.perf_counter()
+        name = self._name(body.model)
+        if isinstance(body.input, list) and not body.input:
+            raise APIError(400, "input must not be an empty list", param="input")
+        vectors, tokens = await self.server.embed([body.input] if isinstance(body.input, str) else body.input, "input")
+        return {"model": name, "embeddings": vectors, "total_duration": int((time.perf_counter() - started) * NS),
+                "load_duration": 0, "prompt_eval_count": tokens}
+
+    async def embeddings(self, body: EmbeddingsRequest) -> dict:
+        self._name(body.model)
+        vectors, _ = await self.server.embed([body.prompt], "prompt")
+        return {"embedding": vectors[0]}
 
     async def _stream(self, gen: Generation, answer: AnswerEvents, started: float, shape: Callable[[Any], dict],
                       delta: Callable[[list[Event]], Any], last: Any) -> AsyncIterator[dict]:

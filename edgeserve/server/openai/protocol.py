@@ -386,6 +386,33 @@ class CompletionRequest(_GenerationRequest):
         return list(p)
 
 
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: Text | list[Text] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("input must not be an empty list")
+        return value
+
+    @field_validator("dimensions")
+    @classmethod
+    def _no_dimensions(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("dimensions is not supported: embeddings have the model's hidden size")
+        return value
+
+    def inputs(self) -> list[str | list[int]]:
+        """The batch: each a string or a list of token ids."""
+        i = self.input
+        return [i] if isinstance(i, str) or isinstance(i[0], int) else list(i)
+
+
 # The Responses API ---------------------------------------------------------------------------------------------
 
 

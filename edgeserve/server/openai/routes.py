@@ -6,8 +6,10 @@ admit it as a Generation, and hands that to `responses` for its chunks or body.
 
 from __future__ import annotations
 
+import base64
 from typing import TYPE_CHECKING
 
+import numpy as np
 from fastapi import APIRouter, Request
 
 from edgeserve.sampling_params import InvalidParamsError, SamplingParams
@@ -16,6 +18,7 @@ from edgeserve.server.openai.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     ResponsesRequest,
     template_messages,
 )
@@ -35,6 +38,7 @@ def router(server: Server) -> APIRouter:
     routes.add_api_route("/models/{model_id:path}", api.model, methods=["GET"], response_model=None)
     routes.add_api_route("/chat/completions", api.chat_completions, methods=["POST"], response_model=None)
     routes.add_api_route("/completions", api.completions, methods=["POST"], response_model=None)
+    routes.add_api_route("/embeddings", api.embeddings, methods=["POST"], response_model=None)
     routes.add_api_route("/responses", api.responses, methods=["POST"], response_model=None)
     routes.add_api_route("/responses/{response_id}", api.stored_response, methods=["GET"], response_model=None)
     return routes
@@ -110,6 +114,16 @@ class _OpenAI:
             return event_stream(response.events(body.include_usage))
         await gen.wait(request)
         return response.body()
+
+    async def embeddings(self, body: EmbeddingRequest) -> dict:
+        model = self.server.check_model(body.model)
+        vectors, tokens = await self.server.embed(body.inputs(), "input")
+        if body.encoding_format == "base64":  # float32 little-endian, as OpenAI's client decodes it
+            encoded: list = [base64.b64encode(np.asarray(v, "<f4").tobytes()).decode() for v in vectors]
+        else:
+            encoded = vectors
+        return {"object": "list", "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)]}
 
     async def responses(self, body: ResponsesRequest, request: Request) -> object:
         server = self.server
