@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import anthropic
 import httpx
 import jsonschema
 import pytest
 
 from serve_process import ServeProcess
+
+if TYPE_CHECKING:
+    import anthropic
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +42,8 @@ def model(server: ServeProcess) -> str:
 
 @pytest.fixture
 def client(server: ServeProcess) -> anthropic.Anthropic:
+    import anthropic  # here, not at the top: its import takes seconds of the quick loop's collection
+
     return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=300)
 
 
@@ -118,6 +123,8 @@ def test_count_tokens_counts_the_rendered_prompt(client: anthropic.Anthropic, mo
 
 
 def test_errors_come_in_anthropic_shape(client: anthropic.Anthropic, server: ServeProcess, model: str) -> None:
+    import anthropic
+
     with pytest.raises(anthropic.BadRequestError) as bad:
         client.messages.create(model=model, max_tokens=10, messages=ASK, extra_body={"temperature": 1.5})
     assert bad.value.status_code == 400 and bad.value.body["type"] == "error"
