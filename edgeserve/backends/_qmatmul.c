@@ -772,18 +772,26 @@ static void run_task(void) {
 
 /* ---- activation quantization: int16 per weight group, plus the group's float sum ---- */
 
+/* The largest |v[k]| and the sum of v over a group of G values. */
+static inline void group_amax_sum(const float *v, int G, float *amax, float *sum) {
+    float m = 0.f, s = 0.f;
+    for (int k = 0; k < G; k++) {
+        float a = fabsf(v[k]);
+        m = a > m ? a : m;
+        s += v[k];
+    }
+    *amax = m;
+    *sum = s;
+}
+
 static void quantize_rows(const float *x, int R, int K, int G, int16_t *xq, float *xd, float *xs) {
     int ng = K / G;
     for (int r = 0; r < R; r++) {
         for (int g = 0; g < ng; g++) {
             const float *v = x + (size_t)r * K + g * G;
             int16_t *q = xq + (size_t)r * K + g * G;
-            float amax = 0.f, sum = 0.f;
-            for (int k = 0; k < G; k++) {
-                float a = fabsf(v[k]);
-                amax = a > amax ? a : amax;
-                sum += v[k];
-            }
+            float amax, sum;
+            group_amax_sum(v, G, &amax, &sum);
             float inv = amax > 0.f ? 32767.f / amax : 0.f;
             for (int k = 0; k < G; k++) q[k] = (int16_t)lrintf(v[k] * inv);
             xd[(size_t)r * ng + g] = amax / 32767.f;
@@ -805,12 +813,8 @@ static void quantize_rows8(const float *x, int R, int K, int G, int bits, int8_t
         for (int g = 0; g < ng; g++) {
             const float *v = x + (size_t)r * K + g * G;
             int8_t *q = xq + (size_t)r * K + g * G;
-            float amax = 0.f, sum = 0.f;
-            for (int k = 0; k < G; k++) {
-                float a = fabsf(v[k]);
-                amax = a > amax ? a : amax;
-                sum += v[k];
-            }
+            float amax, sum;
+            group_amax_sum(v, G, &amax, &sum);
             const float inv = amax > 0.f ? 127.f / amax : 0.f;
             int32_t isum = 0;
             for (int k = 0; k < G; k += n)
