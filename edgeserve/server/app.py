@@ -92,9 +92,9 @@ class Server:
         except EdgeserveError as exc:
             raise APIError(400, str(exc), param=param, code="invalid_value") from exc
 
-    async def embed(self, inputs: list[str | list[int]], param: str) -> tuple[list[list[float]], int]:
-        """Unit-length embeddings of the inputs (texts or token ids), batched in one forward pass, and the tokens
-        they took; a 400 naming param where an input cannot run or all do not fit the KV pool at once."""
+    async def prompt_ids(self, inputs: list[str | list[int]], param: str) -> list[list[int]]:
+        """Plain prompts (texts, tokenized as the model wants, or token ids) as token ids; a 400 naming param where
+        one cannot run."""
         prompts = []
         for item in inputs:
             if isinstance(item, str):
@@ -104,6 +104,12 @@ class Server:
                 ids = list(item)
             self.check_prompt(ids, param)
             prompts.append(ids)
+        return prompts
+
+    async def embed(self, inputs: list[str | list[int]], param: str) -> tuple[list[list[float]], int]:
+        """Unit-length embeddings of the inputs (texts or token ids), batched in one forward pass, and the tokens
+        they took; a 400 naming param where an input cannot run or all do not fit the KV pool at once."""
+        prompts = await self.prompt_ids(inputs, param)
         try:
             vectors = await self.aengine.embed(prompts)
         except PromptTooLongError as exc:

@@ -115,9 +115,7 @@ class _Ollama:
         started = time.perf_counter()
         name = self._name(body.model)
         if body.raw:
-            self.server.check_text_length(len(body.prompt), "prompt")
-            ids = await self.aengine.tokenize(body.prompt)
-            self.server.check_prompt(ids, "prompt")
+            (ids,) = await self.server.prompt_ids([body.prompt], "prompt")
         else:
             system = [{"role": "system", "content": body.system}] if body.system else []
             ids = await self.server.chat_prompt([*system, {"role": "user", "content": body.prompt}], None, "prompt")

@@ -98,15 +98,7 @@ class _OpenAI:
     async def completions(self, body: CompletionRequest, request: Request) -> object:
         server = self.server
         model = server.check_model(body.model)
-        prompts = []
-        for p in body.prompts():
-            if isinstance(p, str):
-                server.check_text_length(len(p), "prompt")
-                ids = await self.aengine.tokenize(p)
-            else:
-                ids = list(p)
-            server.check_prompt(ids, "prompt")
-            prompts.append(ids)
+        prompts = await server.prompt_ids(body.prompts(), "prompt")
         params = await self._params(body, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs)
         gen = server.start("cmpl", prompts, params, body.n, body.seed, body.stream)
         response = CompletionResponse(gen, model, self.aengine.tokenizer)
