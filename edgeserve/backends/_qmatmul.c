@@ -502,7 +502,8 @@ static AVX2_TARGET void kernel_avx2(const Task *t, int p0, int p1, int r0, int r
    2 * (2^bits - 1) * 127: 3810 for 4 bits, so 8 of them stay below 2^15). 8-bit weights are
    flipped to signed (w - 128) and multiplied as |w - 128| by x carrying w - 128's sign (vpsignb;
    2 * 128 * 127 fits int16), and 128 * sum(x) is added back per group. Two rows share each
-   unpacked weight vector; in the common layouts, with four rows or more, four rows (avx2_half4). ---- */
+   unpacked weight vector; in the common layouts, with four rows or more, four rows, and each
+   broadcast activation word serves 16 columns (avx2_tile4). ---- */
 
 static inline AVX2_TARGET __attribute__((always_inline)) __m256i bcast32(const int8_t *p) {
     int32_t v;
@@ -640,76 +641,93 @@ avx2_store_half(const Task *t, int p, int h, int r0, const __m256 *facc, const i
     }
 }
 
-/* Rows r0..r0+RB-1 (RB <= 4) of panel p's half h, every trip count a constant so the rows' sums
-   and float accumulators live in registers: the batch and prompt path, where each unpacked weight
-   vector serves four rows. Three layouts: 4-bit in groups of 32 (Q4_0, Q4_1, Q4_K; a group's
-   eight vpmaddubsw sums stay int16), 4-bit with two high bits in groups of 16 (Q6_K) and 8-bit in
-   groups of 32 (Q8_0), whose sums go to int32 after every word. */
+/* Rows r0..r0+RB-1 (RB <= 4) of panel p, both halves at once, every trip count a constant so the
+   rows' sums live in registers: the batch and prompt path, where each unpacked weight vector serves
+   four rows and each broadcast activation word 16 columns. Three layouts: 4-bit in groups of 32
+   (Q4_0, Q4_1, Q4_K; a group's eight vpmaddubsw sums stay int16), 4-bit with two high bits in
+   groups of 16 (Q6_K) and 8-bit in groups of 32 (Q8_0), whose sums go to int32 after every word.
+   The float accumulators wait in memory, read and written once a group. */
 static inline AVX2_TARGET __attribute__((always_inline)) void
-avx2_half4(const Task *t, int p, int h, int r0, const int RB, const int BITS, const int HB, const int G) {
+avx2_tile4(const Task *t, int p, int r0, const int RB, const int BITS, const int HB, const int G) {
     const int K = t->K, ng = K / G, epw = 32 / BITS, wpg = G / epw, WIDE = BITS == 8 || HB;
-    const uint32_t *wp = t->w + (size_t)p * (K / epw) * PANEL + 8 * h;
-    const uint32_t *hp = HB ? t->hw + (size_t)p * (K * HB / 32) * PANEL + 8 * h : NULL;
+    const uint32_t *wp = t->w + (size_t)p * (K / epw) * PANEL;
+    const uint32_t *hp = HB ? t->hw + (size_t)p * (K * HB / 32) * PANEL : NULL;
     const int8_t *x = t->x8 + (size_t)r0 * K;
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    __m256 facc[4];
-    for (int r = 0; r < RB; r++) facc[r] = _mm256_setzero_ps();
+    __m256 facc[2][4];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < RB; r++) facc[h][r] = _mm256_setzero_ps();
     for (int g = 0; g < ng; g++) {
         const uint32_t *wg = wp + (size_t)g * wpg * PANEL;
-        const __m256i hw = HB ? _mm256_loadu_si256((const __m256i *)(hp + (size_t)g * PANEL)) : _mm256_setzero_si256();
-        __m256i sum[4];
+        __m256i hw[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        if (HB)
+            for (int h = 0; h < 2; h++) hw[h] = _mm256_loadu_si256((const __m256i *)(hp + (size_t)g * PANEL + 8 * h));
+        __m256i sum[2][4];
 #pragma GCC unroll 8
         for (int j = 0; j < wpg; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + j * PANEL));
-            if (BITS == 8) {
-                const __m256i sw = _mm256_xor_si256(v, flip), aw = _mm256_abs_epi8(sw);
-#pragma GCC unroll 4
-                for (int r = 0; r < RB; r++) {
-                    const __m256i d = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast32(x + (size_t)r * K + g * G + 4 * j), sw));
-                    sum[r] = j ? _mm256_add_epi32(sum[r], _mm256_madd_epi16(d, ones)) : _mm256_madd_epi16(d, ones);
-                    __asm__("" : "+x"(sum[r]));
+            __m256i lo[2], hi[2];
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + j * PANEL + 8 * h));
+                if (BITS == 8) {
+                    hi[h] = _mm256_xor_si256(v, flip); /* the signed weights; lo: their magnitudes */
+                    lo[h] = _mm256_abs_epi8(hi[h]);
+                } else {
+                    avx2_nibbles(v, hw[h], j, HB, &lo[h], &hi[h]);
                 }
-                continue;
             }
-            __m256i lo, hi;
-            avx2_nibbles(v, hw, j, HB, &lo, &hi);
 #pragma GCC unroll 4
             for (int r = 0; r < RB; r++) {
-                const int8_t *xr = x + (size_t)r * K + g * G + 8 * j;
-                const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast32(xr)),
-                                                   _mm256_maddubs_epi16(hi, bcast32(xr + 4)));
-                if (WIDE) sum[r] = j ? _mm256_add_epi32(sum[r], _mm256_madd_epi16(d, ones)) : _mm256_madd_epi16(d, ones);
-                else sum[r] = j ? _mm256_add_epi16(sum[r], d) : d;
-                /* keeps gcc from regrouping the sums into a tree whose 32 leaves spill */
-                __asm__("" : "+x"(sum[r]));
+                const int8_t *xr = x + (size_t)r * K + g * G + (BITS == 8 ? 4 : 8) * j;
+                const __m256i b0 = bcast32(xr);
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    __m256i d;
+                    if (BITS == 8) {
+                        d = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[h], _mm256_sign_epi8(b0, hi[h])), ones);
+                        sum[h][r] = j ? _mm256_add_epi32(sum[h][r], d) : d;
+                    } else if (WIDE) {
+                        d = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], b0), _mm256_maddubs_epi16(hi[h], bcast32(xr + 4)));
+                        d = _mm256_madd_epi16(d, ones);
+                        sum[h][r] = j ? _mm256_add_epi32(sum[h][r], d) : d;
+                    } else {
+                        d = _mm256_maddubs_epi16(lo[h], b0);
+                        if (j) d = _mm256_add_epi16(sum[h][r], d);
+                        sum[h][r] = _mm256_add_epi16(d, _mm256_maddubs_epi16(hi[h], bcast32(xr + 4)));
+                    }
+                }
+                /* keeps gcc from regrouping the sums into a tree whose leaves spill */
+                __asm__("" : "+x"(sum[0][r]), "+x"(sum[1][r]));
             }
         }
-        __m256 s, b;
-        avx2_group_scales(t, p, g, h, &s, &b);
+        __m256 s[2], b[2];
+        for (int h = 0; h < 2; h++) avx2_group_scales(t, p, g, h, &s[h], &b[h]);
 #pragma GCC unroll 4
         for (int r = 0; r < RB; r++) {
             const size_t xi = (size_t)(r0 + r) * ng + g;
-            __m256i a = WIDE ? sum[r] : _mm256_madd_epi16(sum[r], ones);
-            if (BITS == 8) a = _mm256_add_epi32(a, _mm256_set1_epi32(128 * t->xi[xi]));
-            const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(s, _mm256_set1_ps(t->xd[xi])), facc[r]);
-            facc[r] = _mm256_fmadd_ps(b, _mm256_set1_ps(t->xs[xi]), f);
+            const __m256 xd = _mm256_set1_ps(t->xd[xi]), xs = _mm256_set1_ps(t->xs[xi]);
+            const __m256i x128 = _mm256_set1_epi32(BITS == 8 ? 128 * t->xi[xi] : 0);
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                __m256i a = WIDE ? sum[h][r] : _mm256_madd_epi16(sum[h][r], ones);
+                if (BITS == 8) a = _mm256_add_epi32(a, x128);
+                const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(s[h], xd), facc[h][r]);
+                facc[h][r] = _mm256_fmadd_ps(b[h], xs, f);
+            }
         }
     }
-    avx2_store_half(t, p, h, r0, facc, RB);
+    for (int h = 0; h < 2; h++) avx2_store_half(t, p, h, r0, facc[h], RB);
 }
 
-/* Panel p's rows r0..r1 (at least 4) four at a time, one half after the other. */
+/* Panel p's rows r0..r1 (at least 4) four at a time. */
 static inline AVX2_TARGET __attribute__((always_inline)) void
 avx2_panel4(const Task *t, int p, int r0, int r1, const int BITS, const int HB, const int G) {
-    for (int h = 0; h < 2; h++) {
-        int r = r0;
-        for (; r + 4 <= r1; r += 4) avx2_half4(t, p, h, r, 4, BITS, HB, G);
-        switch (r1 - r) {
-        case 3: avx2_half4(t, p, h, r, 3, BITS, HB, G); break;
-        case 2: avx2_half4(t, p, h, r, 2, BITS, HB, G); break;
-        case 1: avx2_half4(t, p, h, r, 1, BITS, HB, G); break;
-        default: break;
-        }
+    int r = r0;
+    for (; r + 4 <= r1; r += 4) avx2_tile4(t, p, r, 4, BITS, HB, G);
+    switch (r1 - r) {
+    case 3: avx2_tile4(t, p, r, 3, BITS, HB, G); break;
+    case 2: avx2_tile4(t, p, r, 2, BITS, HB, G); break;
+    case 1: avx2_tile4(t, p, r, 1, BITS, HB, G); break;
+    default: break;
     }
 }
 
