@@ -35,8 +35,8 @@ COMMANDS = {
                       "running and waiting requests, KV pool use."),
     "info": LazyCommand("edgeserve.cli.model_cmds", "info", "Architecture, size, quantization, KV bytes per token "
                         "and memory for N sessions of C tokens."),
-    "serve": LazyCommand("edgeserve.cli.serve_cmd", "serve", "Serve a model over the OpenAI and Anthropic APIs "
-                         "(completions, Responses, Messages; streaming) for local tools."),
+    "serve": LazyCommand("edgeserve.cli.serve_cmd", "serve", "Serve models over the OpenAI, Anthropic and Ollama "
+                         "APIs (completions, Responses, Messages, /api/chat; streaming) for local tools."),
     "chat": LazyCommand("edgeserve.cli.chat_cmd", "chat",
                         "Talk with a model in the terminal; the answer streams as it is generated."),
     "tui": LazyCommand("edgeserve.cli.tui_cmd", "tui", "Chat in several sessions side by side and watch the engine "

@@ -31,11 +31,12 @@ class BackendChoice(click.Choice):
         return value
 
 
-def model_options(run: Callable | None = None, *, ctx_default: str = "the model's") -> Callable:
+def model_options(run: Callable | None = None, *, ctx_default: str = "the model's", several: bool = False) -> Callable:
     """--model, and the engine's --backend, --weights, --activations, --kv-memory, --threads and --ctx-size, which
-    reach the command as one EngineConfig argument `config`; ctx_default: what --help says -c defaults to."""
+    reach the command as one EngineConfig argument `config`; ctx_default: what --help says -c defaults to;
+    several: -m may be given more than once (the command gets a tuple, empty where none was given)."""
     if run is None:
-        return functools.partial(model_options, ctx_default=ctx_default)
+        return functools.partial(model_options, ctx_default=ctx_default, several=several)
 
     @functools.wraps(run)
     def command(*args: object, backend: str, weights: str, activations: str | None, kv_memory: str,
@@ -59,6 +60,10 @@ def model_options(run: Callable | None = None, *, ctx_default: str = "the model'
                           "the C kernels built) or float32 copies (the exact reference); auto picks.")(f)
     f = click.option("--backend", type=BackendChoice(), default="auto", show_default=True,
                      help="Array backend: auto takes MLX on a GPU, NumPy on the CPU.")(f)
+    if several:
+        return click.option("--model", "-m", "models", multiple=True, metavar="MODEL",
+                            help="Catalog name, local GGUF file or model folder, or Hugging Face hub id; repeat it "
+                                 f"to serve several (the first is the default)  [default: {DEFAULT_MODEL}]")(f)
     f = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
                      help="Catalog name, local GGUF file or model folder, or Hugging Face hub id.")(f)
     return f

@@ -10,7 +10,7 @@ from edgeserve.errors import EdgeserveError
 
 
 def server_state(url: str, api_key: str | None) -> dict:
-    """The model names, request counts and KV pool use of the edgeserve server at url."""
+    """The model names (and which are loaded), request counts and KV pool use of the edgeserve server at url."""
     import httpx
 
     url = url.rstrip("/").removesuffix("/v1")
@@ -26,8 +26,8 @@ def server_state(url: str, api_key: str | None) -> dict:
         raise EdgeserveError(f"{url}/v1/models answered {models.status_code}: {models.text[:200]}")
     data = models.json()["data"]
     answer = health.json() if health.headers.get("content-type", "").startswith("application/json") else {}
-    state = {"url": url, "models": [m["id"] for m in data],
-             "max_model_len": data[0].get("max_model_len") if data else None,
+    state = {"url": url, "models": [m["id"] for m in data], "loaded": [m["id"] for m in data if m.get("loaded", True)],
+             "max_model_len": next((m["max_model_len"] for m in data if "max_model_len" in m), None),
              **{k: answer.get(k) for k in ("status", "running", "waiting")}}
     if kv.status_code == 200:
         pool = kv.json()
@@ -52,8 +52,8 @@ def ps(url: str, api_key: str | None, json_out: bool) -> None:
         click.echo(json.dumps(state, indent=1))
         return
     rows = [("server", f"{state['url']} ({state.get('status') or 'unknown'})"),
-            ("models", ", ".join(state["models"])),
-            ("context", f"{state['max_model_len']} tokens"),
+            ("models", ", ".join(m if m in state["loaded"] else f"{m} (not loaded)" for m in state["models"])),
+            ("context", f"{state['max_model_len']} tokens" if state["max_model_len"] else "none loaded"),
             ("requests", f"{state.get('running')} running, {state.get('waiting')} waiting")]
     if kv := state.get("kv"):
         held = kv["used"] + kv["shared"]

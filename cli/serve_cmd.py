@@ -6,6 +6,8 @@ import ipaddress
 import logging
 import socket
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -13,8 +15,10 @@ import click
 from edgeserve.cli.options import build_engine, model_options
 from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
-from edgeserve.models.catalog import CATALOG
+from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL
 from edgeserve.server import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, DEFAULT_SHUTDOWN_TIMEOUT
+
+DEFAULT_MAX_LOADED_MODELS = 3  # as Ollama keeps on a CPU
 
 
 def served_model_name(model: str) -> str:
@@ -23,6 +27,26 @@ def served_model_name(model: str) -> str:
     if model in CATALOG or not path.exists():
         return model
     return path.stem if path.is_file() else path.name
+
+
+def models_in(folder: Path) -> list[str]:
+    """The models a folder holds: its GGUF files and its model folders (those with a config.json), by name."""
+    if not folder.is_dir():
+        raise EdgeserveError(f"--models-dir {folder}: no such folder")
+    found = [p for p in sorted(folder.iterdir())
+             if (p.is_file() and p.suffix == ".gguf") or (p.is_dir() and (p / "config.json").is_file())]
+    if not found:
+        raise EdgeserveError(f"--models-dir {folder}: no GGUF file or model folder inside")
+    return [str(p) for p in found]
+
+
+def _keep_alive(value: str | None) -> float | None:
+    from edgeserve.server.models import parse_keep_alive
+
+    try:
+        return None if value is None else parse_keep_alive(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--keep-alive") from None
 
 
 def _is_loopback(host: str) -> bool:
@@ -47,14 +71,22 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 @click.command()
-@model_options
+@model_options(several=True)
+@click.option("--models-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Serve every GGUF file and model folder in this folder too (each by its name).")
+@click.option("--max-loaded-models", default=DEFAULT_MAX_LOADED_MODELS, show_default=True, type=click.IntRange(1),
+              help="Models held in memory at once; a request for another unloads the one used least lately "
+                   "(never one answering a request: the new request waits).")
+@click.option("--keep-alive", default=None, metavar="DURATION",
+              help="How long a model stays loaded once idle (30s, 5m, 1h; negative: for ever), unless a "
+                   "request's keep_alive says otherwise  [default: for ever with one model, else 5m]")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. Anything but loopback exposes the model to your network.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
               help="TCP port to listen on; 0 picks a free one.")
 @click.option("--alias", "aliases", multiple=True, metavar="NAME",
-              help="Another model name to answer to (repeatable), for clients with a hard-coded one; "
-                   "other names stay 404.")
+              help="Another name for the (first) model to answer to (repeatable), for clients with a hard-coded "
+                   "one; other names stay 404.")
 @click.option("--api-key", envvar="EDGESERVE_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1 (default: $EDGESERVE_API_KEY).")
 @click.option("--max-queue", default=DEFAULT_MAX_QUEUE, show_default=True, type=click.IntRange(1),
@@ -72,36 +104,51 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--shutdown-timeout", default=DEFAULT_SHUTDOWN_TIMEOUT, show_default=True, type=click.FloatRange(0),
               help="On SIGTERM or Ctrl-C, seconds running requests get to finish (new ones get 503) before the "
                    "rest are aborted. A second signal aborts them at once.")
-def serve(model: str, config: EngineConfig, host: str, port: int, api_key: str | None,
+def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None, max_loaded_models: int,
+          keep_alive: str | None, host: str, port: int, api_key: str | None,
           aliases: tuple[str, ...], max_queue: int, max_body_size: int, allowed_hosts: tuple[str, ...],
           cors_origins: str | None, cors_allow_all: bool, shutdown_timeout: float) -> None:
-    """Serve a model over the OpenAI and Anthropic APIs (completions, Responses, Messages; streaming) for local
-    tools."""
+    """Serve models over the OpenAI, Anthropic and Ollama APIs (completions, Responses, Messages, /api/chat;
+    streaming) for local tools. The first model loads now; others load on their first request."""
     origins = [o.strip().rstrip("/") for o in (cors_origins or "").split(",") if o.strip()]
     if "*" in origins and not cors_allow_all:
         raise click.UsageError("--cors-origins '*' lets every web page you open use this server; add "
                                "--cors-allow-all to mean it")
+    idle_seconds = _keep_alive(keep_alive)
+    sources = list(dict.fromkeys([*models, *(models_in(models_dir) if models_dir else [])])) or [DEFAULT_MODEL]
+    names = [served_model_name(m) for m in sources]
+    if len(set(names)) < len(names):
+        raise click.UsageError(f"two models would be served under one name: {', '.join(names)}")
     sock = _listen(host, port)
-    engine = build_engine(model, config)
+    started = time.perf_counter()
+    engine = build_engine(sources[0], config)
     # the server's modules (FastAPI, uvicorn) load here, so --help and a taken port answer at once
     import uvicorn
 
     from edgeserve.engine.async_engine import AsyncEngine
     from edgeserve.server.app import create_app
+    from edgeserve.server.models import DEFAULT_KEEP_ALIVE, FOREVER, ModelEntry, ModelPool
     from edgeserve.server.shutdown import FLUSH_TIMEOUT, DrainingServer
 
-    aengine = AsyncEngine(engine)
-    name = served_model_name(model)
-    app = create_app(aengine, name, api_key=api_key, max_queue=max_queue, max_body_size=max_body_size,
-                     allowed_hosts=(host, *allowed_hosts), aliases=aliases, cors_origins=origins)
+    def loader(source: str) -> Callable[[], AsyncEngine]:
+        return lambda: AsyncEngine(build_engine(source, config, quiet=True))
+
+    if idle_seconds is None:
+        idle_seconds = FOREVER if len(sources) == 1 else DEFAULT_KEEP_ALIVE
+    entries = [ModelEntry(name, tuple(aliases) if i == 0 else (), load=loader(source))
+               for i, (name, source) in enumerate(zip(names, sources))]
+    pool = ModelPool(entries, max_loaded_models, idle_seconds, loader)
+    pool.preload(entries[0], AsyncEngine(engine), time.perf_counter() - started)
+    app = create_app(pool, api_key=api_key, max_queue=max_queue, max_body_size=max_body_size,
+                     allowed_hosts=(host, *allowed_hosts), cors_origins=origins)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     if not api_key and not _is_loopback(host):
         click.echo(f"warning: listening on {host} without an API key; anyone who can reach it can use it", err=True)
     address = f"[{host}]" if ":" in host else host
-    names = ", ".join((name, *aliases))
-    click.echo(f"serving {names} at http://{address}:{sock.getsockname()[1]}/v1 (Ctrl-C stops)")
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=FLUSH_TIMEOUT)
+    listed = ", ".join(n for e in entries for n in e.names)
+    click.echo(f"serving {listed} at http://{address}:{sock.getsockname()[1]}/v1 (Ctrl-C stops)")
+    http_config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=FLUSH_TIMEOUT)
     try:
-        DrainingServer(config, app.state.server, shutdown_timeout).run(sockets=[sock])
+        DrainingServer(http_config, app.state.server, shutdown_timeout).run(sockets=[sock])
     finally:
-        aengine.shutdown()
+        pool.shutdown()

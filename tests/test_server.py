@@ -145,7 +145,7 @@ def test_the_catalog_name_of_the_served_file_is_accepted(real_client: openai.Ope
 
 def test_chat_usage_and_logprobs_match_the_tokenizer(real_client: openai.OpenAI, real_server: ServerThread,
                                                      real_model_name: str) -> None:
-    aengine = real_server.app.state.server.aengine
+    aengine = real_server.app.state.server.models.default.model.aengine
     messages = chat("Name three colors.")
     out = real_client.chat.completions.create(model=real_model_name, messages=messages, max_completion_tokens=10,
                                               temperature=0, logprobs=True, top_logprobs=3, extra_body=IGNORE_EOS)

@@ -16,7 +16,8 @@ import pytest
 from edgeserve.config import EngineConfig
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.llm_engine import LLMEngine
-from edgeserve.server.app import DEFAULT_MAX_BODY_SIZE, MAX_CHARS_PER_TOKEN, create_app
+from edgeserve.server.app import DEFAULT_MAX_BODY_SIZE, create_app
+from edgeserve.server.served_model import MAX_CHARS_PER_TOKEN
 from edgeserve.text.tokenizer import Tokenizer
 from loopback import ServerThread
 

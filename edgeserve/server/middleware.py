@@ -15,6 +15,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from edgeserve.server.errors import APIError
+from edgeserve.server.models import request_leases
 
 if TYPE_CHECKING:
     from edgeserve.server.app import Server
@@ -100,8 +101,8 @@ KEYED_ROOT_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 class Gate:
-    """For the APIs (/v1, Ollama's /api, /tokenize, /detokenize): the API-key check, 503 while shutting down, and a count of
-    answers by status code."""
+    """For the APIs (/v1, Ollama's /api, /tokenize, /detokenize): the API-key check, 503 while shutting down, a count
+    of answers by status code, and the end of the leases a request took on models."""
 
     def __init__(self, app: ASGIApp, server: Server, api_key: str | None):
         self.app = app
@@ -140,4 +141,11 @@ class Gate:
         except APIError as closed:
             await closed.response(scope["path"])(scope, receive, counting_send)
             return
-        await self.app(scope, receive, counting_send)
+        leases: list = []
+        token = request_leases.set(leases)
+        try:
+            await self.app(scope, receive, counting_send)  # returns once the answer, stream and all, has gone out
+        finally:
+            request_leases.reset(token)
+            for entry in leases:
+                self.server.models.release(entry)

@@ -1,6 +1,6 @@
 """Anthropic's endpoints: POST /v1/messages and /v1/messages/count_tokens.
 
-Each handler renders its conversation through the model's chat template (`Server.chat_prompt`), has the server
+Each handler renders its conversation through the model's chat template (`ServedModel.chat_prompt`), has the server
 admit it as a Generation, and hands that to `responses` for its events or body.
 """
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def router(server: Server) -> APIRouter:
-    """The routes, on `server`'s engine."""
+    """The routes, on `server`'s models."""
     api = _Anthropic(server)
     routes = APIRouter(prefix="/v1")
     routes.add_api_route("/messages", api.messages, methods=["POST"], response_model=None)
@@ -32,31 +32,30 @@ def router(server: Server) -> APIRouter:
 class _Anthropic:
     def __init__(self, server: Server):
         self.server = server
-        self.aengine = server.aengine
 
     async def messages(self, body: MessagesRequest, request: Request) -> object:
         server = self.server
-        model = server.check_model(body.model)
+        model, name = await server.model(body.model)
         tools = body.offered_tools()
-        ids = await server.chat_prompt(body.template_messages(), tools, "messages")
-        tool_format = self.aengine.tool_format
+        ids = await model.chat_prompt(body.template_messages(), tools, "messages")
+        tool_format = model.aengine.tool_format
         grammar, trigger = tools_grammar(tool_format, tools, body.forced_tools() is not None, body.parallel)
-        in_reasoning = server.opens_reasoning(ids)
+        in_reasoning = model.opens_reasoning(ids)
         try:
-            params = server.after_reasoning(body.sampling_params(grammar, trigger, self.aengine.info.sampling_defaults),
-                                            in_reasoning)
-            await self.aengine.compile_grammar(params)
+            params = model.after_reasoning(body.sampling_params(grammar, trigger, model.aengine.info.sampling_defaults),
+                                           in_reasoning)
+            await model.aengine.compile_grammar(params)
         except InvalidParamsError as exc:
             param = "tools" if exc.param == "grammar" else exc.param
             raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from exc
-        gen = server.start("msg", [ids], params, 1, None, body.stream)
-        response = MessageResponse(gen, model, tool_format if tools else None, in_reasoning)
+        gen = server.start(model, "msg", [ids], params, 1, None, body.stream)
+        response = MessageResponse(gen, name, tool_format if tools else None, in_reasoning)
         if body.stream:
             return event_stream(response.events())
         await gen.wait(request)
         return response.body()
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:
-        self.server.check_model(body.model)
-        ids = await self.server.chat_prompt(body.template_messages(), body.offered_tools(), "messages")
+        model, _ = await self.server.model(body.model)
+        ids = await model.chat_prompt(body.template_messages(), body.offered_tools(), "messages")
         return {"input_tokens": len(ids)}

@@ -1,6 +1,6 @@
 """Ollama's request bodies, validated by pydantic, and the sampling parameters they ask for: its `options` (as
-Modelfile parameters name them), `format` ("json" or a JSON Schema), `keep_alive` (accepted: one model stays
-loaded)."""
+Modelfile parameters name them), `format` ("json" or a JSON Schema), `keep_alive` (how long the model stays
+loaded once idle)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from edgeserve.sampling_params import SamplingDefaults, SamplingParams
+from edgeserve.sampling_params import InvalidParamsError, SamplingDefaults, SamplingParams
+from edgeserve.server.models import parse_keep_alive
 
 # Ollama's num_predict: -1 generates until the model stops or the context is full, as does -2.
 UNTIL_DONE = (-1, -2)
@@ -31,13 +32,27 @@ class Options(BaseModel):
     stop: list[str] | None = None
 
 
-class Body(BaseModel):
+class KeepAlive(BaseModel):
+    """A body's `keep_alive`: seconds or a duration ("5m"), negative for ever, 0 to unload once answered."""
+
+    keep_alive: str | int | float | None = None
+
+    def keep_alive_seconds(self) -> float | None:
+        """The keep-alive in seconds, None where the body gives none; InvalidParamsError where it is no duration."""
+        if self.keep_alive is None:
+            return None
+        try:
+            return parse_keep_alive(self.keep_alive)
+        except ValueError as exc:
+            raise InvalidParamsError(str(exc), "keep_alive") from None
+
+
+class Body(KeepAlive):
     model_config = ConfigDict(extra="ignore")
     model: str
     stream: bool = True
     options: Options = Options()
     format: Literal["json"] | dict[str, Any] | None = None
-    keep_alive: str | int | float | None = None
 
     def sampling_params(self, defaults: SamplingDefaults, context: int) -> SamplingParams:
         """The engine's parameters: the options over the model's defaults, `format` as the answer's grammar."""
@@ -80,24 +95,23 @@ class Message(BaseModel):
 
 
 class ChatRequest(Body):
-    messages: list[Message]
+    messages: list[Message] = []  # none: only load the model (or unload it, with keep_alive 0)
     tools: list[dict[str, Any]] | None = None
 
 
 class GenerateRequest(Body):
-    prompt: str = ""
+    prompt: str = ""  # empty: only load the model (or unload it, with keep_alive 0)
     system: str | None = None
     raw: bool = False  # the prompt as is, without the chat template
 
 
-class EmbedRequest(BaseModel):
+class EmbedRequest(KeepAlive):
     model_config = ConfigDict(extra="ignore")
     model: str
     input: str | list[str]
-    keep_alive: str | int | float | None = None
 
 
-class EmbeddingsRequest(BaseModel):
+class EmbeddingsRequest(KeepAlive):
     """The older /api/embeddings: one prompt."""
 
     model_config = ConfigDict(extra="ignore")
@@ -108,3 +122,9 @@ class EmbeddingsRequest(BaseModel):
 class ShowRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
+
+
+class PullRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    stream: bool = True
