@@ -77,6 +77,8 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--max-loaded-models", default=DEFAULT_MAX_LOADED_MODELS, show_default=True, type=click.IntRange(1),
               help="Models held in memory at once; a request for another unloads the one used least lately "
                    "(never one answering a request: the new request waits).")
+@click.option("--allow-pull", is_flag=True,
+              help="Serve any catalog model a request names, pulled (downloaded) and loaded on its first request.")
 @click.option("--keep-alive", default=None, metavar="DURATION",
               help="How long a model stays loaded once idle (30s, 5m, 1h; negative: for ever), unless a "
                    "request's keep_alive says otherwise  [default: for ever with one model, else 5m]")
@@ -105,7 +107,7 @@ def _listen(host: str, port: int) -> socket.socket:
               help="On SIGTERM or Ctrl-C, seconds running requests get to finish (new ones get 503) before the "
                    "rest are aborted. A second signal aborts them at once.")
 def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None, max_loaded_models: int,
-          keep_alive: str | None, host: str, port: int, api_key: str | None,
+          allow_pull: bool, keep_alive: str | None, host: str, port: int, api_key: str | None,
           aliases: tuple[str, ...], max_queue: int, max_body_size: int, allowed_hosts: tuple[str, ...],
           cors_origins: str | None, cors_allow_all: bool, shutdown_timeout: float) -> None:
     """Serve models over the OpenAI, Anthropic and Ollama APIs (completions, Responses, Messages, /api/chat;
@@ -137,7 +139,7 @@ def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None
         idle_seconds = FOREVER if len(sources) == 1 else DEFAULT_KEEP_ALIVE
     entries = [ModelEntry(name, tuple(aliases) if i == 0 else (), load=loader(source))
                for i, (name, source) in enumerate(zip(names, sources))]
-    pool = ModelPool(entries, max_loaded_models, idle_seconds, loader)
+    pool = ModelPool(entries, max_loaded_models, idle_seconds, loader, allow_pull)
     pool.preload(entries[0], AsyncEngine(engine), time.perf_counter() - started)
     app = create_app(pool, api_key=api_key, max_queue=max_queue, max_body_size=max_body_size,
                      allowed_hosts=(host, *allowed_hosts), cors_origins=origins)

@@ -268,3 +268,30 @@ def test_models_dir_lists_gguf_files_and_model_folders(tmp_path) -> None:
     (tmp_path / "notes.txt").write_text("")
     (tmp_path / "empty-folder").mkdir()
     assert [Path(p).name for p in models_in(tmp_path)] == ["a-folder", "b.gguf"]
+
+
+def test_serve_answers_for_two_real_models_and_pulls_a_third_on_request(model_path) -> None:
+    """`edgeserve serve -m A -m B` as a user starts it: both answer under their names (greedy on /api/chat as on
+    /v1), one at a time with room for one, and --allow-pull serves a catalog model nobody listed."""
+    from serve_process import ServeProcess
+
+    served = ServeProcess(str(model_path), "-m", DEFAULT_MODEL, "--max-loaded-models", "1", "--allow-pull",
+                          "--kv-memory", "64MiB")
+    try:
+        client = ollama.Client(host=served.url)
+        first = model_path.stem
+        names = [m["id"] for m in http.get(served.url + "/v1/models").json()["data"]]
+        assert names == [first, DEFAULT_MODEL]  # the file by its name, and the catalog name: two models
+        for name in (first, DEFAULT_MODEL):
+            answer = client.chat(model=name, messages=ASK, options={"temperature": 0, "num_predict": 6})
+            assert answer.model == name and answer.message.content == greedy(served.url, name)
+            assert [m.model for m in client.ps().models] == [name]  # room for one: the other made way
+        pulled = client.chat(model="gemma3-270m", messages=ASK, options={"temperature": 0, "num_predict": 4})
+        assert pulled.model == "gemma3-270m" and pulled.eval_count == 4 and pulled.load_duration > 0
+        assert [m.model for m in client.ps().models] == ["gemma3-270m"]
+        assert "gemma3-270m" in [m["id"] for m in http.get(served.url + "/v1/models").json()["data"]]
+        log = served.output()
+        assert f"loaded {DEFAULT_MODEL} in" in log and "loaded gemma3-270m in" in log
+        assert f"unloaded {DEFAULT_MODEL} (room for gemma3-270m)" in log
+    finally:
+        served.close()

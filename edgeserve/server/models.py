@@ -93,11 +93,12 @@ class ModelPool:
     """The models of one server, by every name each answers to; see the module's docstring for the rules."""
 
     def __init__(self, entries: Iterable[ModelEntry], max_loaded: int = 1, keep_alive: float = DEFAULT_KEEP_ALIVE,
-                 loader: Callable[[str], Callable[[], AsyncEngine]] | None = None):
+                 loader: Callable[[str], Callable[[], AsyncEngine]] | None = None, allow_pull: bool = False):
         self.entries: list[ModelEntry] = []
         self.max_loaded = max(1, max_loaded)
         self.keep_alive = keep_alive
         self.loader = loader  # how to load a model by its source (a catalog name, file or folder): for pulled ones
+        self.allow_pull = allow_pull and loader is not None  # serve any catalog name a request gives, pulled at load
         self._by_name: dict[str, ModelEntry] = {}
         for entry in entries:
             self.add(entry)
@@ -139,10 +140,14 @@ class ModelPool:
 
     def find(self, requested: str | None) -> ModelEntry:
         """The model a request names (None: the default; Ollama's ":latest" tag may follow a name); a 404 for a name
-        this server does not serve."""
+        this server does not serve (with allow_pull, a catalog name is served from now on)."""
         if requested is None:
             return self.default
-        entry = self._by_name.get(requested) or self._by_name.get(requested.removesuffix(":latest"))
+        base = requested.removesuffix(":latest")
+        entry = self._by_name.get(requested) or self._by_name.get(base)
+        if entry is None and self.allow_pull and base in CATALOG:
+            entry = ModelEntry(base, load=self.loader(base))
+            self.add(entry)
         if entry is None:
             served = ", ".join(repr(n) for e in self.entries for n in e.names)
             raise APIError(404, f"the model {requested!r} does not exist; this server serves {served}",
