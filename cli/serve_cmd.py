@@ -60,7 +60,9 @@ def _is_loopback(host: str) -> bool:
 
 def _listen(host: str, port: int) -> socket.socket:
     """Bind the port now, before the slow model load, so a taken port fails at once."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio turns on TCP_NODELAY only for sockets that say TCP, and without it a
+    # kept-alive connection's whole (non-streamed) answer waits ~40 ms on the client's delayed ACK.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

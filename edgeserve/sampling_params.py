@@ -13,6 +13,10 @@ from edgeserve.errors import EdgeserveError
 # whitespace, which a small model can fill forever. Tool-call grammars write their arguments the same way.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GREEDY_BELOW = 1e-5  # temperatures under this sample as greedy: dividing by them would overflow the logits
+# Every stop string is searched for after every token on the engine thread, where all streams wait: a request
+# gets a few (OpenAI allows 4), of a sensible length.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000
 
 
 def generator_seed(seed: int | None) -> int | None:
@@ -134,6 +138,8 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be between -2 and 2"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
+             f"must hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters"),
             (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
              "values must be between -100 and 100"),
             (sum(x is not None for x in (self.json_schema, self.regex, self.grammar)) <= 1, "json_schema",
@@ -143,7 +149,9 @@ class SamplingParams:
         ]
         for ok, param, message in checks:
             if not ok:
-                raise InvalidParamsError(f"{param} {message} (got {getattr(self, param)!r})", param)
+                got = repr(getattr(self, param))
+                got = got if len(got) <= 200 else f"{got[:200]}... ({len(got)} characters)"
+                raise InvalidParamsError(f"{param} {message} (got {got})", param)
 
     @property
     def constraint(self) -> tuple[str, str] | None:

@@ -21,6 +21,11 @@ LONGROPE = ("longrope", "su")  # rope_type of Phi-3's LongRoPE ("su" in older co
 # what rope_inv_freq computes; "dynamic" (NTK) changes nothing until a sequence outgrows the
 # context, which none does here
 ROPE_KINDS = {"default", "dynamic", "linear", "llama3", "factors", *LONGROPE}
+# Far past any real model, and small enough that what is allocated from them cannot exhaust memory first.
+MAX_WIDTH = 1 << 16  # hidden size, head size
+MAX_LAYERS = 1024
+MAX_VOCAB = 1 << 22
+MAX_CONTEXT = 1 << 24
 
 
 @dataclass
@@ -44,11 +49,34 @@ class ModelArgs:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_sizes()
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         kind = rope_kind(self)
         if kind not in ROPE_KINDS:
             raise ModelLoadError(f"unsupported RoPE scaling {kind!r} (supported: {', '.join(sorted(ROPE_KINDS))})")
+
+    def _check_sizes(self) -> None:
+        """A ModelLoadError naming the field where a size is impossible, before anything is allocated from it (a
+        corrupt or hostile file's zero heads or 2^32 layers)."""
+        checks = [
+            ("hidden_size", 1 <= self.hidden_size <= MAX_WIDTH),
+            ("num_hidden_layers", 1 <= self.num_hidden_layers <= MAX_LAYERS),
+            ("intermediate_size", 1 <= self.intermediate_size <= 8 * MAX_WIDTH),
+            ("num_attention_heads", 1 <= self.num_attention_heads <= self.hidden_size),
+            ("num_key_value_heads", 1 <= self.num_key_value_heads <= self.num_attention_heads
+             and self.num_attention_heads % self.num_key_value_heads == 0),
+            ("vocab_size", 1 <= self.vocab_size <= MAX_VOCAB),
+            ("max_position_embeddings", 1 <= self.max_position_embeddings <= MAX_CONTEXT),
+            ("head_dim", self.head_dim is None or (2 <= self.head_dim <= MAX_WIDTH and self.head_dim % 2 == 0)),
+            ("rms_norm_eps", math.isfinite(self.rms_norm_eps) and 0 <= self.rms_norm_eps < 1),
+            ("rope_theta", math.isfinite(self.rope_theta) and self.rope_theta > 0),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ModelLoadError(f"the model's {name} is {getattr(self, name)!r}, which no model of this kind has "
+                                     f"(num_attention_heads {self.num_attention_heads}, hidden_size "
+                                     f"{self.hidden_size}): the file is damaged")
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "ModelArgs":

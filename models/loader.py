@@ -249,7 +249,7 @@ def gguf_args(g: GGUFFile) -> ModelArgs:
         max_position_embeddings=int(get("context_length", 4096)),
         tie_word_embeddings="output.weight" not in g.tensors,
         attention_bias="blk.0.attn_q.bias" in g.tensors,
-        head_dim=int(md.get(f"{arch}.attention.key_length", hidden // n_heads)),
+        head_dim=int(md.get(f"{arch}.attention.key_length", hidden // n_heads if n_heads > 0 else 0)),
         model_type=model_type,
         **window,
     )
@@ -375,3 +375,24 @@ def _check_complete(weights: Weights, args: ModelArgs, path: Path) -> None:
     missing = [n for n in needed if n not in weights]
     if missing:
         raise ModelLoadError(f"{path}: missing weights {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
+    q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
+    h, ffn = args.hidden_size, args.intermediate_size
+    shapes = {"model.embed_tokens.weight": (args.vocab_size, h)}
+    for i in range(args.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        shapes.update({layer + "self_attn.q_proj.weight": (q, h), layer + "self_attn.k_proj.weight": (kv, h),
+                       layer + "self_attn.v_proj.weight": (kv, h), layer + "self_attn.o_proj.weight": (h, q),
+                       layer + "mlp.gate_proj.weight": (ffn, h), layer + "mlp.up_proj.weight": (ffn, h),
+                       layer + "mlp.down_proj.weight": (h, ffn)})
+    for name, (rows, cols) in shapes.items():
+        w = weights.get(name)
+        if w is None:  # a family that fuses them (Phi-3's qkv_proj) or has none
+            continue
+        # the embedding may hold padding rows past the vocabulary, never fewer
+        fits = w.shape[1] == cols and (w.shape[0] >= rows if name == "model.embed_tokens.weight" else w.shape[0] == rows)
+        if len(w.shape) != 2 or not fits:
+            raise ModelLoadError(f"{path}: {name} is {tuple(w.shape)}, where the model's sizes make it "
+                                 f"({rows}, {cols}): the file is damaged")
+    for name, w in weights.items():
+        if name.endswith("norm.weight") and not np.isfinite(np.asarray(w)).all():
+            raise ModelLoadError(f"{path}: {name} holds NaN or infinite values: the file is damaged")

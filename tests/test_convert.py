@@ -277,10 +277,15 @@ def _tiny_gguf(path: Path, arch: str = "llama", qtype: gguf.GGMLQuantizationType
 
 def _folder_without_tokenizer(path: Path) -> Path:
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 0,
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1,
                                                   "intermediate_size": 64, "num_attention_heads": 1, "vocab_size": 8}))
-    save_file({"model.embed_tokens.weight": np.zeros((8, 64), np.float16),
-               "model.norm.weight": np.ones(64, np.float16)}, str(path / "model.safetensors"))
+    layer = {f"model.layers.0.{name}.weight": np.zeros((64, 64), np.float16)
+             for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    layer.update({f"model.layers.0.{name}.weight": np.ones(64, np.float16)
+                  for name in ("input_layernorm", "post_attention_layernorm")})
+    save_file({"model.embed_tokens.weight": np.zeros((8, 64), np.float16), "model.norm.weight": np.ones(64, np.float16),
+               **layer}, str(path / "model.safetensors"))
     return path
 
 

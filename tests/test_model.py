@@ -106,6 +106,55 @@ def _patch_tensor_type(src: Path, dst: Path, tensor: str, new_type: int) -> None
     dst.write_bytes(bytes(data))
 
 
+def _patch_metadata(src: Path, dst: Path, key: str, value: int) -> None:
+    """A copy of src whose integer metadata `key` holds value (in the width the file stores it with)."""
+    data = bytearray(src.read_bytes())
+    name = key.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    kind = struct.unpack_from("<I", data, at)[0]
+    fmt = {4: "<I", 5: "<i", 10: "<Q", 11: "<q"}[kind]
+    struct.pack_into(fmt, data, at + 4, value)
+    dst.write_bytes(bytes(data))
+
+
+def _nan_norm(src: Path, dst: Path) -> None:
+    data = bytearray(src.read_bytes())
+    norm = next(t for t in gguf.GGUFReader(src).tensors if t.name == "output_norm.weight")
+    struct.pack_into("<f", data, int(norm.data_offset) + 4, float("nan"))
+    dst.write_bytes(bytes(data))
+
+
+DAMAGED = {  # metadata key, value, what the error names
+    "no heads": ("llama.attention.head_count", 0, "num_attention_heads is 0"),
+    "2^32 layers": ("llama.block_count", 2**32 - 1, "num_hidden_layers is 4294967295"),
+    "2^32 context": ("llama.context_length", 2**32 - 1, "max_position_embeddings is 4294967295"),
+    "kv heads not dividing": ("llama.attention.head_count_kv", 2, "num_key_value_heads is 2"),
+    "narrower than its tensors": ("llama.embedding_length", 512, "model.embed_tokens.weight is (49152, 576)"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED))
+def test_damaged_metadata_is_refused_before_anything_is_allocated(model_path, tmp_path, damage):
+    from edgeserve.errors import ModelLoadError
+    from edgeserve.models.loader import load_model
+
+    key, value, message = DAMAGED[damage]
+    damaged = tmp_path / "damaged.gguf"
+    _patch_metadata(model_path, damaged, key, value)
+    with pytest.raises(ModelLoadError, match="damaged") as refused:
+        load_model(str(damaged))
+    assert message in str(refused.value)
+
+
+def test_a_nan_norm_is_refused(model_path, tmp_path):
+    from edgeserve.errors import ModelLoadError
+    from edgeserve.models.loader import load_model
+
+    _nan_norm(model_path, tmp_path / "nan.gguf")
+    with pytest.raises(ModelLoadError, match="model.norm.weight holds NaN"):
+        load_model(str(tmp_path / "nan.gguf"))
+
+
 def _bad_models(model_path: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
     raw = model_path.read_bytes()
     truncated, magic, arch, qtype = tmp / "truncated.gguf", tmp / "magic.gguf", tmp / "arch.gguf", tmp / "qtype.gguf"
@@ -118,7 +167,9 @@ def _bad_models(model_path: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
     w.write_tensors_to_file()
     w.close()
     _patch_tensor_type(model_path, qtype, "blk.0.attn_q.weight", int(gguf.GGMLQuantizationType.I32))
+    _patch_metadata(model_path, tmp / "heads.gguf", "llama.attention.head_count", 0)
     return {
+        "heads": (tmp / "heads.gguf", "num_attention_heads is 0"),
         "truncated": (truncated, "truncated (tensor"),
         "magic": (magic, "not a GGUF file"),
         "arch": (arch, "unsupported architecture 'gpt2'"),
@@ -127,7 +178,7 @@ def _bad_models(model_path: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
     }
 
 
-@pytest.mark.parametrize("kind", ["truncated", "magic", "arch", "qtype", "missing"])
+@pytest.mark.parametrize("kind", ["truncated", "magic", "arch", "qtype", "heads", "missing"])
 def test_bad_model_files_get_one_clear_line(model_path, tmp_path, kind):
     path, message = _bad_models(model_path, tmp_path)[kind]
     done = edgeserve_cli("run", "--model", str(path), "--backend", "numpy", "hi", timeout=120)

@@ -62,7 +62,7 @@ def url(main_server: ServerThread) -> str:
 
 @pytest.fixture(scope="module")
 def keyed_url(engine: AsyncEngine, model_name: str) -> Iterator[str]:
-    server = ServerThread(create_app(engine, model_name, api_key=API_KEY, max_queue=2))
+    server = ServerThread(create_app(engine, model_name, api_key=API_KEY, max_queue=4))
     yield server.url
     server.stop()
 
@@ -397,22 +397,24 @@ def test_api_key(keyed_url: str, model_name: str) -> None:
         wrong.chat.completions.create(model=model_name, messages=chat("hi"), max_tokens=2)
     right = openai.OpenAI(base_url=keyed_url + "/v1", api_key=API_KEY, max_retries=0)
     assert right.chat.completions.create(model=model_name, messages=chat("hi"), max_tokens=2).choices
-    assert http.get(keyed_url + "/health").status_code == 200  # health and metrics stay open for probes
+    assert http.get(keyed_url + "/health").status_code == 200  # health stays open for probes
+    assert http.get(keyed_url + "/metrics").status_code == 401
 
 
 def test_full_queue_gets_429_and_others_carry_on(keyed_url: str, model_name: str) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    too_many = http.post(keyed_url + "/v1/chat/completions", headers=headers, json={**GOOD_CHAT, "n": 3})
-    assert too_many.status_code == 429 and too_many.json()["error"]["code"] == "queue_full"
+    greedy_share = http.post(keyed_url + "/v1/chat/completions", headers=headers, json={**GOOD_CHAT, "n": 3})
+    assert greedy_share.status_code == 400 and greedy_share.json()["error"]["param"] == "n"  # over half the queue
     client = openai.OpenAI(base_url=keyed_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    stream = client.chat.completions.create(model=model_name, messages=chat("Count to ten."), n=2, max_tokens=400,
-                                            temperature=0, extra_body=IGNORE_EOS, stream=True)
-    first = next(iter(stream))  # both choices now hold the two queue places
+    streams = [client.chat.completions.create(model=model_name, messages=chat("Count to ten."), n=2, max_tokens=400,
+                                              temperature=0, extra_body=IGNORE_EOS, stream=True) for _ in range(2)]
+    firsts = [next(iter(stream)) for stream in streams]  # the four choices now hold the four queue places
     with pytest.raises(openai.RateLimitError) as full:
         client.chat.completions.create(model=model_name, messages=chat("hi"), max_tokens=2)
-    assert full.value.status_code == 429
-    rest = list(stream)
-    assert sum(c.choices[0].finish_reason == "length" for c in [first, *rest] if c.choices) == 2
+    assert full.value.status_code == 429 and full.value.code == "queue_full"
+    for first, stream in zip(firsts, streams):
+        rest = list(stream)
+        assert sum(c.choices[0].finish_reason == "length" for c in [first, *rest] if c.choices) == 2
     wait_until(lambda: client.chat.completions.create(model=model_name, messages=chat("hi"), max_tokens=2)
                .choices[0].finish_reason is not None)
 

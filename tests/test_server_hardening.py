@@ -204,3 +204,51 @@ def test_a_prompt_over_the_context_is_a_400_context_length_exceeded(server: Serv
     with pytest.raises(openai.BadRequestError) as text:
         client.completions.create(model=MODEL, prompt=too_long, max_tokens=1)
     assert text.value.code == "context_length_exceeded" and text.value.param == "prompt"
+
+
+def test_more_messages_than_the_context_holds_are_refused_unrendered(server: ServerThread, engine: AsyncEngine,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_: object, **__: object) -> list[int]:
+        raise AssertionError("rendered a conversation that cannot fit")
+
+    monkeypatch.setattr(AsyncEngine, "chat_prompt", refuse)
+    messages = [{"role": "user", "content": ""}] * (engine.info.max_model_len + 1)
+    message = _error(http.post(server.url + "/v1/chat/completions", json={"messages": messages}), 400,
+                     "context_length_exceeded", "messages")
+    assert "messages" in message
+
+
+def test_stop_strings_are_bounded_and_the_error_stays_short(server: ServerThread) -> None:
+    body = {"prompt": "hi", "max_tokens": 2, "stop": [f"s{i}" for i in range(5000)]}
+    answer = http.post(server.url + "/v1/completions", json=body)
+    message = _error(answer, 400, "invalid_value", "stop")
+    assert "at most 16 strings" in message and len(message) < 600
+    long_one = http.post(server.url + "/v1/completions", json={**body, "stop": ["x" * 1001]})
+    _error(long_one, 400, "invalid_value", "stop")
+    assert http.post(server.url + "/v1/completions", json={**body, "stop": ["a"] * 16}).status_code == 200
+
+
+def test_accepted_connections_send_without_delay() -> None:
+    """asyncio turns on TCP_NODELAY (no ~40 ms wait on the client's delayed ACK) only on sockets made as TCP."""
+    import asyncio
+    import socket
+
+    from edgeserve.cli.serve_cmd import _listen
+
+    sock = _listen("127.0.0.1", 0)
+    seen: list[int] = []
+
+    async def main() -> None:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(handle, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            while not seen:
+                await asyncio.sleep(0.01)
+            writer.close()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert seen == [1]

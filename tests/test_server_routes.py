@@ -98,3 +98,15 @@ def test_without_cors_origins_no_page_gets_through(server):
 def test_any_origin_needs_its_own_flag():
     refused = CliRunner().invoke(cli, ["serve", "--cors-origins", "*"])
     assert refused.exit_code == 2 and "--cors-allow-all" in refused.output
+
+
+def test_with_a_key_only_health_answers_without_it(cors_server):
+    for path in ("/metrics", "/docs", "/openapi.json", "/v1/edgeserve/kv"):
+        assert http.get(cors_server.url + path).status_code == 401, path
+        assert http.get(cors_server.url + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200, path
+    assert http.get(cors_server.url + "/health").json()["status"] == "ok"
+
+
+def test_without_a_key_the_status_pages_stay_open(server):
+    assert http.get(server.url + "/metrics").status_code == 200
+    assert http.get(server.url + "/openapi.json").status_code == 200

@@ -105,3 +105,49 @@ def test_a_second_ctrl_c_aborts_at_once(patient_server):
     assert stream.finished_at - second < 5
     assert patient_server.wait(30) == 0
     assert "Traceback" not in patient_server.output()
+
+
+def test_the_drain_waits_for_requests_before_the_engine_and_they_end_in_503(tiny_model, monkeypatch) -> None:
+    """A request still rendering its prompt when the signal comes holds the exit back, then gets a clean 503."""
+    import asyncio
+
+    import uvicorn
+
+    from edgeserve.config import EngineConfig
+    from edgeserve.engine.async_engine import AsyncEngine
+    from edgeserve.engine.llm_engine import LLMEngine
+    from edgeserve.server.app import create_app
+    from edgeserve.server.shutdown import DrainingServer
+    from loopback import ServerThread
+
+    aengine = AsyncEngine(LLMEngine(tiny_model, EngineConfig(backend="numpy", kv_memory="16MiB")))
+    rendering, release = threading.Event(), threading.Event()
+    chat_prompt = AsyncEngine.chat_prompt
+
+    async def slow_chat_prompt(self, *args, **kwargs):
+        rendering.set()
+        await asyncio.to_thread(release.wait, 30)
+        return await chat_prompt(self, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncEngine, "chat_prompt", slow_chat_prompt)
+    app = create_app(aengine, "tiny")
+    served = ServerThread(app)
+    answers: list[httpx.Response] = []
+    try:
+        asker = threading.Thread(target=lambda: answers.append(httpx.post(
+            served.url + "/v1/chat/completions", json={"messages": STORY, "max_tokens": 2}, timeout=60)))
+        asker.start()
+        assert rendering.wait(30)
+        drain = DrainingServer(uvicorn.Config(app), app.state.server, shutdown_timeout=30)
+        drain.handle_exit(signal.SIGTERM, None)
+        assert not drain._drained(time.monotonic())  # nothing in the engine, but a request on its way there
+        release.set()
+        asker.join(30)
+        assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "server_shutting_down"
+        deadline = time.monotonic() + 10
+        while not drain._drained(time.monotonic()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        served.stop()
+        aengine.shutdown()

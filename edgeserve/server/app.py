@@ -35,7 +35,9 @@ class Server:
     def __init__(self, models: ModelPool, max_queue: int):
         self.models = models
         self.max_queue = max_queue
+        self.max_share = max(1, max_queue // 2)  # the most generations one request may run: the rest is for others
         self.in_flight = 0  # engine requests submitted through this server and not yet ended
+        self.open_requests = 0  # API requests between arriving and their answer's last byte
         self.live: set[Generation] = set()
         self.draining = False  # shutting down: running requests go on, new ones get 503
         self.metrics = ServerMetrics()
@@ -68,6 +70,10 @@ class Server:
         """
         self.check_open()  # again: it may have been tokenizing or compiling when the shutdown began
         count = len(prompts) * n
+        if count > self.max_share:  # retrying cannot help it, and it would shut everyone else out
+            raise APIError(400, f"this request asks for {count} generations ({len(prompts)} prompts x n={n}); one "
+                                f"request may run at most {self.max_share} at once here", param="n",
+                           code="invalid_value")
         if self.in_flight + count > self.max_queue:
             raise APIError(429, f"the server is busy: {self.in_flight} requests in flight, the limit is "
                                 f"{self.max_queue}; retry later", "rate_limit_error", code="queue_full")

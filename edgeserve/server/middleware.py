@@ -98,16 +98,24 @@ class HostGuard:
 
 # llama.cpp's routes outside /v1 and /api (Ollama's) that the API key guards too
 KEYED_ROOT_PATHS = frozenset({"/tokenize", "/detokenize"})
+OPEN_PATHS = frozenset({"/health"})  # answers without the key, for load balancers' and supervisors' probes
 
 
 class Gate:
     """For the APIs (/v1, Ollama's /api, /tokenize, /detokenize): the API-key check, 503 while shutting down, a count
-    of answers by status code, and the end of the leases a request took on models."""
+    of answers by status code, and the end of the leases a request took on models. With a key set, every other
+    path but /health needs it too."""
 
     def __init__(self, app: ASGIApp, server: Server, api_key: str | None):
         self.app = app
         self.server = server
         self.api_key = api_key
+
+    @staticmethod
+    async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(401, "missing or incorrect API key; send it as 'Authorization: Bearer KEY' or "
+                              "'x-api-key: KEY'", code="invalid_api_key")
+        await error.response(scope["path"])(scope, receive, send)
 
     def authorized(self, headers: Headers) -> bool:
         """Whether the request holds the key: as OpenAI's clients send it (Authorization: Bearer) or Anthropic's
@@ -122,8 +130,15 @@ class Gate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
-        if scope["type"] != "http" or not (path.startswith(("/v1/", "/api/")) or path in KEYED_ROOT_PATHS):
+        api = path.startswith(("/v1/", "/api/")) or path in KEYED_ROOT_PATHS
+        if scope["type"] != "http" or not (api or self.api_key is not None and path not in OPEN_PATHS):
             await self.app(scope, receive, send)
+            return
+        if not api:  # /metrics, /docs, /openapi.json: what the server runs is the key holder's business too
+            if self.authorized(Headers(scope=scope)):
+                await self.app(scope, receive, send)
+            else:
+                await self.refuse(scope, receive, send)
             return
 
         async def counting_send(message: Message) -> None:
@@ -132,9 +147,7 @@ class Gate:
             await send(message)
 
         if not self.authorized(Headers(scope=scope)):
-            error = APIError(401, "missing or incorrect API key; send it as 'Authorization: Bearer KEY' or "
-                                  "'x-api-key: KEY'", code="invalid_api_key")
-            await error.response(scope["path"])(scope, receive, counting_send)
+            await self.refuse(scope, receive, counting_send)
             return
         try:
             self.server.check_open()
@@ -143,9 +156,11 @@ class Gate:
             return
         leases: list = []
         token = request_leases.set(leases)
+        self.server.open_requests += 1
         try:
             await self.app(scope, receive, counting_send)  # returns once the answer, stream and all, has gone out
         finally:
+            self.server.open_requests -= 1
             request_leases.reset(token)
             for entry in leases:
                 self.server.models.release(entry)

@@ -73,6 +73,10 @@ class ServedModel:
     async def chat_prompt(self, messages: list[dict], tools: list[dict] | None, param: str) -> list[int]:
         """Template messages (and tools) as prompt ids through the model's chat template; a 400 naming param where
         they cannot render or run."""
+        context = self.aengine.info.max_model_len
+        if len(messages) > context:  # each renders to a token at least: refused before rendering them all
+            raise APIError(400, f"{param} holds {len(messages)} messages, more than the model's context of "
+                                f"{context} tokens can hold", param=param, code="context_length_exceeded")
         self.check_text_length(sum(len(m["content"]) for m in messages), param)
         try:
             ids = await self.aengine.chat_prompt(messages, tools)

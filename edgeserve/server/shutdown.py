@@ -59,8 +59,9 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
     def _drained(self, now: float) -> bool:
-        """Whether no request is left running; aborts those still running at the deadline."""
-        if not self.api.live:
+        """Whether no request is left, in the engine or before it (rendering, tokenizing, compiling a grammar: those
+        end with a 503 once they reach admission); aborts those in the engine at the deadline."""
+        if not self.api.live and not self.api.open_requests:
             return True
         if not self.aborted and now >= self.deadline:
             logger.info("shutting down: aborting %d requests still running", len(self.api.live))

@@ -6,6 +6,7 @@ admit it as a Generation, and hands that to `responses` for its events or body.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
@@ -53,7 +54,7 @@ class _Anthropic:
         if body.stream:
             return event_stream(response.events())
         await gen.wait(request)
-        return response.body()
+        return await asyncio.to_thread(response.body)
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:
         model, _ = await self.server.model(body.model)

@@ -6,6 +6,7 @@ admit it as a Generation, and hands that to `responses` for its chunks or body.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from typing import TYPE_CHECKING
 
@@ -98,7 +99,7 @@ class _OpenAI:
         if body.stream:
             return event_stream(response.events(body.include_usage))
         await gen.wait(request)
-        return response.body()
+        return await asyncio.to_thread(response.body)  # n answers' logprobs take seconds to build: not on the loop
 
     async def completions(self, body: CompletionRequest, request: Request) -> object:
         server = self.server
@@ -110,7 +111,7 @@ class _OpenAI:
         if body.stream:
             return event_stream(response.events(body.include_usage))
         await gen.wait(request)
-        return response.body()
+        return await asyncio.to_thread(response.body)
 
     async def embeddings(self, body: EmbeddingRequest) -> dict:
         model, name = await self.server.model(body.model)
@@ -166,7 +167,7 @@ class _OpenAI:
         if body.stream:
             return answer.stream()
         await gen.wait(request)
-        return answer.body()
+        return await asyncio.to_thread(answer.body)
 
     async def stored_response(self, response_id: str) -> dict:
         stored = self.stored.get(response_id)
