@@ -124,9 +124,9 @@ def test_the_budget_unloads_the_least_recently_used_and_keep_alive_expires(tiny_
         greedy(server.url, "tiny-b")
         assert [m.model for m in client.ps().models] == ["tiny-b"]  # a made room for b
         assert greedy(server.url, "tiny-a") == first  # and loads again, the same model
-        loaded = client.chat(model="tiny-b", messages=ASK, options={"num_predict": 2}, keep_alive="1s")
+        loaded = client.chat(model="tiny-b", messages=ASK, options={"num_predict": 2}, keep_alive="300ms")
         assert loaded.load_duration > 0  # it had to load
-        again = client.chat(model="tiny-b", messages=ASK, options={"num_predict": 2}, keep_alive="1s")
+        again = client.chat(model="tiny-b", messages=ASK, options={"num_predict": 2}, keep_alive="300ms")
         assert again.load_duration < loaded.load_duration
         ps = client.ps().models
         assert [m.model for m in ps] == ["tiny-b"] and ps[0].expires_at is not None

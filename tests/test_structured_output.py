@@ -150,6 +150,7 @@ def test_regex_and_lark_grammars_on_both_endpoints(client: openai.OpenAI) -> Non
 @pytest.mark.parametrize(("body", "param"), [
     ({"response_format": json_format("bad", {"type": "no-such-type"})}, "response_format"),
     ({"extra_body": {"guided_regex": "a[b"}}, "guided_regex"),
+    ({"extra_body": {"guided_regex": "x" * 200_001}}, "guided_regex"),  # too long to compile
     ({"extra_body": {"guided_grammar": "start: undefined_rule"}}, "guided_grammar"),
     ({"extra_body": {"guided_regex": "a", "guided_grammar": 'start: "a"'}}, "guided_grammar"),
     ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}}, "response_format"),

@@ -13,6 +13,7 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._error: BaseException | None = None  # why the engine thread died, if it did
         self._fault_after = int(os.environ.get(FAULT_ENV, "0"))
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="edgeserve-grammars")
         self._thread = threading.Thread(target=self._loop, name="edgeserve-engine", daemon=True)
         self._thread.start()
 
@@ -84,8 +86,8 @@ class AsyncEngine:
         """Check params against the vocabulary and compile their grammar; InvalidParamsError where either fails."""
         if params.constraint is None:  # nothing to compile: no thread needed
             self.prompts.compile_grammar(params)
-        else:
-            await asyncio.to_thread(self.prompts.compile_grammar, params)
+        else:  # on a thread of their own: a flood of big grammars queues there, not before every chat's rendering
+            await asyncio.get_running_loop().run_in_executor(self._compiler, self.prompts.compile_grammar, params)
 
     # state --------------------------------------------------------------------
 
@@ -111,6 +113,7 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        self._compiler.shutdown(wait=False, cancel_futures=True)
 
     def _deliver(self, out: RequestOutput | Exception, request_id: str) -> None:
         target = self._streams.get(request_id)

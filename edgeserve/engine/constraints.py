@@ -26,6 +26,9 @@ from edgeserve.text.tokenizer import Tokenizer
 # A masked logit: far below any real one, finite so penalties, temperatures and logprobs stay finite.
 MASKED_LOGIT = -1e30
 GRAMMAR_CACHE_SIZE = 256
+# A grammar's text, schema or tools included, past which it is refused: far above any tool set or answer schema,
+# and what a compile costs grows with it (a 15,000-property schema takes seconds, and its compiled form ~40 MiB).
+MAX_GRAMMAR_CHARS = 200_000
 _PARAM = {"json_schema": "json_schema", "regex": "regex", "lark": "grammar"}
 
 
@@ -133,13 +136,17 @@ class Constraints:
         return len(self._compiled)
 
     def _build(self, kind: str, source: str) -> llguidance.LLMatcher:
+        param = _PARAM[kind]
+        if len(source) > MAX_GRAMMAR_CHARS:
+            raise InvalidParamsError(f"{param} is {len(source)} characters long; at most {MAX_GRAMMAR_CHARS} are "
+                                     "compiled", param)
         grammar = grammar_text(kind, source)
         error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         if error:
-            raise InvalidParamsError(f"invalid {_PARAM[kind]}: {error.strip()}", _PARAM[kind])
+            raise InvalidParamsError(f"invalid {param}: {error.strip()}", param)
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidParamsError(f"invalid {_PARAM[kind]}: {matcher.get_error()}", _PARAM[kind])
+            raise InvalidParamsError(f"invalid {param}: {matcher.get_error()}", param)
         return matcher
 
     def add(self, request_id: str, params: SamplingParams) -> None:

@@ -41,8 +41,15 @@ class Prompts:
 
         Raises ChatTemplateError where the template refuses the messages.
         """
+        messages = [self._as_text(m) for m in messages]
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         return self.tokenizer.encode(text, add_bos=False)
+
+    def _as_text(self, message: dict) -> dict:
+        """The message with the special tokens its text spells defused: control tokens come from the template alone,
+        so a user cannot forge a turn (a "system" one, say) by writing its markup."""
+        content = message.get("content")
+        return {**message, "content": self.tokenizer.defuse(content)} if isinstance(content, str) else message
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """A plain text prompt's token ids (with BOS where the model wants one, add_bos None, or as told)."""

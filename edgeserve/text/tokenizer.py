@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 
 from edgeserve.errors import ModelLoadError
 
+WORD_JOINER = "\u2060"  # invisible, and no tokenizer merges it into a special token's text
 # Texts of tokens that end a turn. llama.cpp stops on these as well as on the declared EOS,
 # because many GGUF files declare only one of a model's several end tokens.
 END_OF_GENERATION_TEXTS = frozenset(
@@ -287,6 +288,16 @@ class Tokenizer:
             if (i := codec.token_to_id(text)) is not None and i in codec.special_ids
         }
         self.eos_token_ids: set[int] = declared | by_name
+        texts = sorted({t for i in codec.special_ids if (t := codec.id_to_token(i)) and len(t) > 1}, key=len,
+                       reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    def defuse(self, text: str) -> str:
+        """text with each special token it spells broken by a word joiner after its first character: it then encodes
+        as the characters it shows, never as the control token (a user's "<|im_end|>" cannot end a turn)."""
+        if self._special_text is None:
+            return text
+        return self._special_text.sub(lambda m: m.group()[0] + WORD_JOINER + m.group()[1:], text)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`, special tokens written in it included.
