@@ -241,3 +241,14 @@ def test_a_full_tool_round_trip(client: openai.OpenAI) -> None:
                                                     max_tokens=1)
     assert second.usage.prompt_tokens > without_result.usage.prompt_tokens
 
+
+
+def test_a_grammar_past_llguidance_s_budgets_fails_rather_than_ending_as_done(client: openai.OpenAI) -> None:
+    """A million-"a" regex is valid but beyond what llguidance follows: the answer must not come back as a finished,
+    empty one."""
+    with pytest.raises(openai.InternalServerError) as failed:
+        client.chat.completions.create(model="model", messages=ASK, max_tokens=5,
+                                       extra_body={"guided_regex": "a{1000000}"})
+    message = failed.value.body["message"] if isinstance(failed.value.body, dict) else str(failed.value)
+    assert "grammar" in message and "lark_grammar" not in message  # why, without llguidance's state dump
+    assert client.chat.completions.create(model="model", messages=ASK, max_tokens=2).choices[0].message.content

@@ -29,6 +29,7 @@ GRAMMAR_CACHE_SIZE = 256
 # A grammar's text, schema or tools included, past which it is refused: far above any tool set or answer schema,
 # and what a compile costs grows with it (a 15,000-property schema takes seconds, and its compiled form ~40 MiB).
 MAX_GRAMMAR_CHARS = 200_000
+GRAMMAR_COMPLETE = ("EndOfSentence", "NoExtension")  # llguidance's stop reasons where the output is whole
 _PARAM = {"json_schema": "json_schema", "regex": "regex", "lark": "grammar"}
 
 
@@ -42,6 +43,22 @@ def grammar_text(kind: str, source: str) -> str:
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(source)
     return llguidance.LLMatcher.grammar_from_lark(source)
+
+
+def _first_line(error: str) -> str:
+    """An llguidance error's first line, without the grammar and parser state it dumps after it."""
+    return error.strip().splitlines()[0][:300] if error.strip() else "no detail given"
+
+
+def _finished(matcher: llguidance.LLMatcher) -> bool:
+    """Whether the matcher's grammar is complete; InvalidParamsError where it stopped without being so (a budget of
+    llguidance's ran out): the answer fails rather than end as if it were done."""
+    if not matcher.is_stopped():
+        return False
+    reason = matcher.stop_reason()
+    if reason not in GRAMMAR_COMPLETE:
+        raise InvalidParamsError(f"the grammar could not be followed ({reason}): it is too large or too deep")
+    return True
 
 
 def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
@@ -222,9 +239,9 @@ class Constraints:
         if matcher is None:
             return False
         if not matcher.consume_token(token):
-            raise InvalidParamsError(f"the output left its grammar: {matcher.get_error()}")
+            raise InvalidParamsError(f"the output left its grammar: {_first_line(matcher.get_error())}")
         self._scan(seq.request_id, [token])
-        return matcher.is_stopped()
+        return _finished(matcher)
 
     def _scan(self, request_id: str, tokens: list[int]) -> None:
         scanner = self._numbers.get(request_id)
@@ -241,10 +258,10 @@ class Constraints:
         del self._waiting[seq.request_id]
         tokens = waiting.tokens[waiting.start():]
         if not waiting.matcher.consume_tokens(tokens):
-            raise InvalidParamsError(f"the output left its grammar: {waiting.matcher.get_error()}")
+            raise InvalidParamsError(f"the output left its grammar: {_first_line(waiting.matcher.get_error())}")
         self._bind(seq.request_id, waiting.matcher, seq.params.constraint)
         self._scan(seq.request_id, tokens)
-        return waiting.matcher.is_stopped()
+        return _finished(waiting.matcher)
 
 
 class _Trigger:
