@@ -2,6 +2,7 @@
 
 import datetime
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,26 @@ def test_hugging_face_environment_semantics():
     assert rendered in (
         f"<s>\n[hi]\n{json.dumps(tools, ensure_ascii=False)}|{y}|</s>" for y in (year, year + 1)
     )
+
+
+HOSTILE_TEMPLATES = {
+    "10^10 loop turns": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                         "took over"),
+    "a huge product": ("{{ 'x' * 100000000 }}", "built a value"),
+    "a string doubled in a loop": ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}"
+                                   "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}", "built a value"),
+    "a macro doubling its argument": ("{% macro f(s) %}{{ f(s ~ s) }}{% endmacro %}{{ f('ab') }}", "built a value"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_TEMPLATES))
+def test_a_hostile_template_fails_its_request_in_bounded_time_and_memory(kind, monkeypatch):
+    import edgeserve.text.chat_template as chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.5)
+    source, message = HOSTILE_TEMPLATES[kind]
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=message):
+        ChatTemplate(source).render([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - started < 5
+    assert ChatTemplate("{% for i in range(3) %}{{ i }}{% endfor %}").render([{"role": "user", "content": "hi"}]) == "012"

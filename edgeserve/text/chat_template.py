@@ -7,6 +7,8 @@ environment model authors write and test their templates against.
 from __future__ import annotations
 
 import json
+import time
+from contextvars import ContextVar
 from datetime import datetime
 from typing import Any
 
@@ -29,8 +31,58 @@ CHATML_TEMPLATE = (
 )
 
 
+# A template is the model file's code: its rendering is bounded in time and in the size of what it builds, so a
+# hostile or broken one (10^10 loop turns, a string doubled in a loop) fails one request instead of the process.
+MAX_RENDER_SECONDS = 5.0
+MAX_RENDER_CHARS = 1 << 23
+_deadline: ContextVar[float] = ContextVar("template_deadline", default=float("inf"))
+
+
 class ChatTemplateError(EdgeserveError):
     """A chat template failed to compile or render, or the messages given to it are malformed."""
+
+
+def _check_clock() -> None:
+    if time.monotonic() > _deadline.get():
+        raise ChatTemplateError(f"the chat template took over {MAX_RENDER_SECONDS:g}s to render")
+
+
+def _check_size(value: Any) -> None:
+    if isinstance(value, (str, list)) and len(value) > MAX_RENDER_CHARS:
+        raise ChatTemplateError(f"the chat template built a value of over {MAX_RENDER_CHARS} characters")
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox whose calls, attribute reads, products and loops over range watch the clock and the
+    size of what they make."""
+
+    intercepted_binops = frozenset({"*"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        sequence, count = (left, right) if isinstance(right, int) else (right, left)
+        if isinstance(sequence, (str, list)) and isinstance(count, int) and len(sequence) * count > MAX_RENDER_CHARS:
+            raise ChatTemplateError(f"the chat template built a value of over {MAX_RENDER_CHARS} characters")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # Jinja's signature
+        _check_clock()
+        for arg in args:
+            _check_size(arg)
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        value = super().getattr(obj, attribute)
+        _check_size(value)
+        return value
+
+
+def _range(*args: int) -> Any:
+    numbers = range(*args)
+    if len(numbers) > MAX_RENDER_CHARS:
+        raise ChatTemplateError(f"the chat template asked for a range of {len(numbers)} numbers")
+    for n in numbers:
+        _check_clock()
+        yield n
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -72,9 +124,10 @@ def _strftime_now(format: str) -> str:
 
 
 def _environment() -> jinja2.Environment:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
+    env.globals["range"] = _range
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -130,16 +183,25 @@ class ChatTemplate:
         elif tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             messages = fallback_messages(messages, tools, self.tool_format)
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra}
+        token = _deadline.set(time.monotonic() + MAX_RENDER_SECONDS)
         try:
-            return self._template.render(
+            parts, size = [], 0
+            for part in self._template.generate(
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables
-            )
+            ):
+                size += len(part)
+                if size > MAX_RENDER_CHARS:
+                    raise ChatTemplateError(f"the chat template wrote over {MAX_RENDER_CHARS} characters")
+                parts.append(part)
+            return "".join(parts)
         except ChatTemplateError:
             raise
         except Exception as exc:  # the template is the model author's code: any failure is theirs
             raise ChatTemplateError(
                 f"chat template failed to render: {type(exc).__name__}: {exc}"
             ) from exc
+        finally:
+            _deadline.reset(token)
 
 
 def _check_messages(messages: Any) -> None:
