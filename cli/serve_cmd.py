@@ -131,6 +131,7 @@ def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None
 
     from edgeserve.engine.async_engine import AsyncEngine
     from edgeserve.server.app import create_app
+    from edgeserve.server.connections import IDLE_TIMEOUT, IdleClosingH11, connection_limit
     from edgeserve.server.models import DEFAULT_KEEP_ALIVE, FOREVER, ModelEntry, ModelPool
     from edgeserve.server.shutdown import FLUSH_TIMEOUT, DrainingServer
 
@@ -151,7 +152,9 @@ def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None
     address = f"[{host}]" if ":" in host else host
     listed = ", ".join(n for e in entries for n in e.names)
     click.echo(f"serving {listed} at http://{address}:{sock.getsockname()[1]}/v1 (Ctrl-C stops)")
-    http_config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=FLUSH_TIMEOUT)
+    http_config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=FLUSH_TIMEOUT,
+                                 http=IdleClosingH11, timeout_keep_alive=IDLE_TIMEOUT,
+                                 limit_concurrency=connection_limit())
     try:
         DrainingServer(http_config, app.state.server, shutdown_timeout).run(sockets=[sock])
     finally:

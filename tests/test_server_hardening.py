@@ -262,3 +262,46 @@ def test_a_user_cannot_forge_a_turn_by_writing_special_tokens(engine: AsyncEngin
     plain = engine.prompts.chat([{"role": "user", "content": "hi"}])
     assert (ids.count(start), ids.count(end)) == (plain.count(start), plain.count(end))  # the template's alone
     assert forged in tokenizer.decode(ids).replace("\u2060", "")  # the text itself reaches the model
+
+
+def test_a_silent_connection_is_closed_and_a_flood_gets_503s_not_a_dead_accept_loop(tiny_model) -> None:
+    """`edgeserve serve`'s connection handling: a socket that never sends is closed after the idle time, and past the
+    connection limit new clients get 503 while the server keeps answering once they go."""
+    import socket
+
+    import uvicorn
+
+    from edgeserve.server.connections import IdleClosingH11
+
+    aengine = AsyncEngine(LLMEngine(tiny_model, EngineConfig(backend="numpy", kv_memory="16MiB")))
+    app = create_app(aengine, MODEL)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", http=IdleClosingH11, timeout_keep_alive=0.5,
+                            limit_concurrency=8)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.02)
+        silent = socket.create_connection(("127.0.0.1", port))
+        silent.settimeout(10)
+        started = time.monotonic()
+        assert silent.recv(1) == b""  # closed by the server, not by the test's timeout
+        assert time.monotonic() - started < 5
+        hoard = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+        try:
+            assert http.get(f"http://127.0.0.1:{port}/health").status_code == 503  # over the limit: told so
+        finally:
+            for s in hoard:
+                s.close()
+        deadline = time.monotonic() + 10
+        while http.get(f"http://127.0.0.1:{port}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        aengine.shutdown()

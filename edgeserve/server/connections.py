@@ -1,0 +1,43 @@
+"""Connections no client can hoard: one that sends nothing is closed after the keep-alive time, as an idle kept-alive
+one is, and past a limit below the process's open-file limit new ones get 503 instead of the accept loop failing
+with "Too many open files" for everyone."""
+
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:
+    import resource
+except ImportError:  # not on Windows: the limits stay as the system sets them
+    resource = None
+
+IDLE_TIMEOUT = 5.0  # seconds a connection may stay silent, before its first request as between requests
+SPARE_FILES = 64  # open files kept for the model, logs and the engine's own use
+MAX_OPEN_FILES = 65536
+
+
+class IdleClosingH11(H11Protocol):
+    """uvicorn's h11 protocol, whose keep-alive timer also runs from the moment a connection opens (uvicorn starts it
+    only after a first response, so a silent socket stayed open for ever)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+
+def connection_limit() -> int | None:
+    """Raise the open-file limit to what the system allows (capped), and return how many connections to serve at
+    once: the limit less some spare files; None where the platform has no such limits."""
+    if resource is None:
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_OPEN_FILES)
+    if wanted > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):  # macOS refuses some values above its kernel maximum: keep what we have
+            pass
+    return max(16, soft - SPARE_FILES)
