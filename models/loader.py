@@ -41,6 +41,10 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Embedding pooling as GGUF's {arch}.pooling_type numbers it (llama.cpp's enum: 0 none, 1 mean, 2 cls, 3 last, 4
+# rank; none and rank pool as mean here) and as sentence-transformers' Pooling module names it.
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+ST_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -149,6 +153,7 @@ class LoadedModel:
     source: Path
     format: str  # "gguf", "safetensors" or "mlx"
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)  # what the model asks to sample with
+    pooling: str = "mean"  # how its embeddings pool the tokens' states: "mean", "cls" (the first) or "last"
 
     @property
     def num_parameters(self) -> int:
@@ -289,7 +294,8 @@ def load_gguf(path: Path) -> LoadedModel:
     tokenizer = Tokenizer.from_gguf(g.metadata)
     if tokenizer.chat_template is None:
         tokenizer.chat_template = architecture(args.model_type, path).chat_template
-    return LoadedModel(args, weights, tokenizer, path, "gguf", SamplingDefaults.from_gguf(g.metadata))
+    return LoadedModel(args, weights, tokenizer, path, "gguf", SamplingDefaults.from_gguf(g.metadata),
+                       GGUF_POOLING.get(g.metadata.get(f"{g.architecture}.pooling_type"), "mean"))
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -320,6 +326,15 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
         out[name] = arr
     return out
+
+
+def folder_pooling(path: Path) -> str:
+    """The pooling a sentence-transformers folder names (1_Pooling/config.json), else mean."""
+    config = path / "1_Pooling" / "config.json"
+    if not config.is_file():
+        return "mean"
+    modes = json.loads(config.read_text())
+    return next((pooling for key, pooling in ST_POOLING.items() if modes.get(key)), "mean")
 
 
 def load_folder(path: Path) -> LoadedModel:
@@ -355,7 +370,7 @@ def load_folder(path: Path) -> LoadedModel:
         weights.pop("lm_head.weight", None)
     _check_complete(weights, args, path)
     return LoadedModel(args, weights, Tokenizer.from_dir(path), path, "mlx" if quant else "safetensors",
-                       _folder_sampling_defaults(path))
+                       _folder_sampling_defaults(path), folder_pooling(path))
 
 
 def _folder_sampling_defaults(path: Path) -> SamplingDefaults:

@@ -68,3 +68,26 @@ def test_paraphrases_are_closer_than_unrelated_text(loaded_model):
     similar = e @ e.T
     assert similar[0, 1] > max(similar[0, 2], similar[0, 3], similar[0, 4], similar[1, 2])
     assert similar[3, 4] > max(similar[3, 0], similar[3, 2], similar[4, 0], similar[4, 2])
+
+
+def test_pooling_follows_the_model(tiny_model, tmp_path):
+    """First-token pooling sees only the first token (attention is causal); last-token pooling sees the whole text;
+    a sentence-transformers folder and a GGUF's pooling_type say which."""
+    import dataclasses
+    import json
+
+    from edgeserve.models.loader import GGUF_POOLING, folder_pooling
+
+    ids = tiny_model.tokenizer.encode("hello there friend")
+    mean, cls, last = (LLMEngine(dataclasses.replace(tiny_model, pooling=p), backend="numpy", kv_memory="16MiB")
+                       for p in ("mean", "cls", "last"))
+    np.testing.assert_allclose(cls.embed([ids])[0], mean.embed([ids[:1]])[0], atol=1e-5)
+    assert not np.allclose(last.embed([ids])[0], cls.embed([ids])[0], atol=1e-3)
+    assert not np.allclose(last.embed([ids])[0], mean.embed([ids])[0], atol=1e-3)
+    np.testing.assert_allclose(last.embed([ids])[0], last.embed([ids[:2], ids])[1], atol=1e-5)
+    assert folder_pooling(tmp_path) == "mean"
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True,
+                                                                    "pooling_mode_mean_tokens": False}))
+    assert folder_pooling(tmp_path) == "last"
+    assert [GGUF_POOLING.get(n, "mean") for n in range(5)] == ["mean", "mean", "cls", "last", "mean"]

@@ -277,8 +277,8 @@ class LLMEngine:
             self.block_manager.free_seq(seq)
 
     def embed(self, prompts: list[list[int]]) -> np.ndarray:
-        """Unit-length embeddings [len(prompts), hidden]: each prompt's final hidden states, normed, mean-pooled
-        over its tokens, in one forward pass for all of them.
+        """Unit-length embeddings [len(prompts), hidden]: each prompt's final hidden states, normed, pooled over its
+        tokens as the model says (mean by default, or its first or last token's), in one forward pass for all.
 
         Runs outside the scheduler, between steps (the engine thread's `AsyncEngine.call`).
         """
@@ -297,7 +297,9 @@ class LLMEngine:
             for seq in held:
                 self.block_manager.free_seq(seq)
         bounds = np.cumsum([0, *(len(ids) for ids in prompts)])
-        pooled = np.stack([states[a:b].astype(np.float64).mean(axis=0) for a, b in zip(bounds[:-1], bounds[1:])])
+        pool = {"mean": lambda rows: rows.mean(axis=0), "cls": lambda rows: rows[0], "last": lambda rows: rows[-1]}
+        pooled = np.stack([pool[self.model.pooling](states[a:b].astype(np.float64))
+                           for a, b in zip(bounds[:-1], bounds[1:])])
         return (pooled / np.linalg.norm(pooled, axis=1, keepdims=True)).astype(np.float32)
 
     def kv_map(self) -> list[tuple[str, list[str]]]:
