@@ -15,8 +15,9 @@ import click
 from edgeserve.cli.options import build_engine, model_options
 from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
-from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL
+from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, local_path, shared_path
 from edgeserve.server import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, DEFAULT_SHUTDOWN_TIMEOUT
+from edgeserve.units import parse_size
 
 DEFAULT_MAX_LOADED_MODELS = 3  # as Ollama keeps on a CPU
 
@@ -38,6 +39,17 @@ def models_in(folder: Path) -> list[str]:
     if not found:
         raise EdgeserveError(f"--models-dir {folder}: no GGUF file or model folder inside")
     return [str(p) for p in found]
+
+
+def expected_bytes(source: str) -> int:
+    """A model's weights as its files measure them, before it loads (0 where they are not on disk yet)."""
+    entry = CATALOG.get(source)
+    path = Path(source).expanduser()
+    if entry is not None:
+        path = next((p for p in (local_path(entry), shared_path(entry)) if p is not None and p.is_file()), path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.glob("*.safetensors")) if path.is_dir() else 0
 
 
 def _keep_alive(value: str | None) -> float | None:
@@ -79,6 +91,9 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--max-loaded-models", default=DEFAULT_MAX_LOADED_MODELS, show_default=True, type=click.IntRange(1),
               help="Models held in memory at once; a request for another unloads the one used least lately "
                    "(never one answering a request: the new request waits).")
+@click.option("--max-memory", default=None, metavar="SIZE",
+              help="Memory the loaded models may take together (weights and KV pools: 8GiB, 16GB); a request for a "
+                   "model that does not fit unloads others, as --max-loaded-models does.")
 @click.option("--allow-pull", is_flag=True,
               help="Serve any catalog model a request names, pulled (downloaded) and loaded on its first request.")
 @click.option("--keep-alive", default=None, metavar="DURATION",
@@ -109,7 +124,7 @@ def _listen(host: str, port: int) -> socket.socket:
               help="On SIGTERM or Ctrl-C, seconds running requests get to finish (new ones get 503) before the "
                    "rest are aborted. A second signal aborts them at once.")
 def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None, max_loaded_models: int,
-          allow_pull: bool, keep_alive: str | None, host: str, port: int, api_key: str | None,
+          max_memory: str | None, allow_pull: bool, keep_alive: str | None, host: str, port: int, api_key: str | None,
           aliases: tuple[str, ...], max_queue: int, max_body_size: int, allowed_hosts: tuple[str, ...],
           cors_origins: str | None, cors_allow_all: bool, shutdown_timeout: float) -> None:
     """Serve models over the OpenAI, Anthropic and Ollama APIs (completions, Responses, Messages, /api/chat;
@@ -119,6 +134,7 @@ def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None
         raise click.UsageError("--cors-origins '*' lets every web page you open use this server; add "
                                "--cors-allow-all to mean it")
     idle_seconds = _keep_alive(keep_alive)
+    budget = parse_size(max_memory) if max_memory else None
     sources = list(dict.fromkeys([*models, *(models_in(models_dir) if models_dir else [])])) or [DEFAULT_MODEL]
     names = [served_model_name(m) for m in sources]
     if len(set(names)) < len(names):
@@ -140,9 +156,10 @@ def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None
 
     if idle_seconds is None:
         idle_seconds = FOREVER if len(sources) == 1 else DEFAULT_KEEP_ALIVE
-    entries = [ModelEntry(name, tuple(aliases) if i == 0 else (), load=loader(source))
-               for i, (name, source) in enumerate(zip(names, sources))]
-    pool = ModelPool(entries, max_loaded_models, idle_seconds, loader, allow_pull)
+    kv_bytes = config.kv_budget_bytes()
+    entries = [ModelEntry(name, tuple(aliases) if i == 0 else (), load=loader(source),
+                          size=expected_bytes(source) + kv_bytes) for i, (name, source) in enumerate(zip(names, sources))]
+    pool = ModelPool(entries, max_loaded_models, idle_seconds, loader, allow_pull, budget)
     pool.preload(entries[0], AsyncEngine(engine), time.perf_counter() - started)
     app = create_app(pool, api_key=api_key, max_queue=max_queue, max_body_size=max_body_size,
                      allowed_hosts=(host, *allowed_hosts), cors_origins=origins)

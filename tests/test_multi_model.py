@@ -295,3 +295,25 @@ def test_serve_answers_for_two_real_models_and_pulls_a_third_on_request(model_pa
         assert f"unloaded {DEFAULT_MODEL} (room for gemma3-270m)" in log
     finally:
         served.close()
+
+
+def test_a_memory_budget_unloads_as_the_count_does_and_refuses_what_never_fits(tiny_pair) -> None:
+    a, b = tiny_pair
+    probe = engine_of(a)()
+    one = probe.info.memory_bytes  # weights and KV pool, as the pool counts a loaded model
+    probe.shutdown()
+    entries = [ModelEntry("tiny-a", load=engine_of(a), size=one), ModelEntry("tiny-b", load=engine_of(b), size=one),
+               ModelEntry("huge", load=engine_of(b), size=10 * one)]
+    pool = ModelPool(entries, max_loaded=3, keep_alive=FOREVER, max_bytes=int(1.5 * one))
+    server = ServerThread(create_app(pool))
+    try:
+        client = ollama.Client(host=server.url)
+        greedy(server.url, "tiny-a")
+        greedy(server.url, "tiny-b")
+        assert [m.model for m in client.ps().models] == ["tiny-b"]  # room for three by count, one by bytes
+        too_big = http.post(server.url + "/v1/chat/completions", json={"model": "huge", "messages": ASK})
+        assert too_big.status_code == 500 and "memory budget" in too_big.json()["error"]["message"]
+        assert [m.model for m in client.ps().models] == ["tiny-b"]  # and nothing was unloaded for it
+    finally:
+        server.stop()
+        pool.shutdown()

@@ -3,8 +3,8 @@
 Each loaded model is one AsyncEngine with its own KV pool. A request leases the model it names for as long as it
 runs, its stream included (the Gate middleware hands the lease back once the answer has gone out). A model loads
 on its first request, one load at a time; it unloads once idle for its keep-alive time (Ollama's `keep_alive`,
-per request, else the server's), or when another needs its place among `max_loaded`, least recently used first,
-and never while leased: the request for the newcomer waits until one is idle.
+per request, else the server's), or when another needs its place among `max_loaded` or in `max_bytes`, least
+recently used first, and never while leased: the request for the newcomer waits until one is idle.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from edgeserve.engine.llm_engine import EngineStats
 from edgeserve.models.catalog import CATALOG
 from edgeserve.server.errors import APIError
 from edgeserve.server.served_model import ServedModel
+from edgeserve.units import format_size
 
 logger = logging.getLogger("edgeserve.server")
 
@@ -77,7 +78,7 @@ class ModelEntry:
     last_used: float = field(default_factory=time.monotonic)
     expires: float = FOREVER  # monotonic time it unloads at, while idle
     expires_at: float = FOREVER  # the same as a wall-clock time, for /api/ps
-    size: int = 0  # bytes its last load took (weights and KV pool)
+    size: int = 0  # bytes its last load took (weights and KV pool), else what it is expected to take
     load_seconds: float = 0.0  # how long its last load took
 
     @property
@@ -93,9 +94,11 @@ class ModelPool:
     """The models of one server, by every name each answers to; see the module's docstring for the rules."""
 
     def __init__(self, entries: Iterable[ModelEntry], max_loaded: int = 1, keep_alive: float = DEFAULT_KEEP_ALIVE,
-                 loader: Callable[[str], Callable[[], AsyncEngine]] | None = None, allow_pull: bool = False):
+                 loader: Callable[[str], Callable[[], AsyncEngine]] | None = None, allow_pull: bool = False,
+                 max_bytes: int | None = None):
         self.entries: list[ModelEntry] = []
         self.max_loaded = max(1, max_loaded)
+        self.max_bytes = max_bytes  # the loaded models' weights and KV pools together, where limited
         self.keep_alive = keep_alive
         self.loader = loader  # how to load a model by its source (a catalog name, file or folder): for pulled ones
         self.allow_pull = allow_pull and loader is not None  # serve any catalog name a request gives, pulled at load
@@ -205,7 +208,11 @@ class ModelPool:
         async with self._loading:
             if entry.model is not None:  # another request loaded it meanwhile
                 return
-            while len(self.loaded) >= self.max_loaded:
+            if self.max_bytes is not None and entry.size > self.max_bytes:
+                raise APIError(500, f"the model {entry.name!r} takes {format_size(entry.size)}, more than the server's "
+                                    f"memory budget of {format_size(self.max_bytes)}", "server_error", param="model",
+                               code="model_load_failed")
+            while self._over_budget(entry):
                 idle = [e for e in self.loaded if e.leases == 0 and not e.pinned]
                 if idle:
                     self._unload(min(idle, key=lambda e: e.last_used), f"room for {entry.name}")
@@ -224,6 +231,13 @@ class ModelPool:
             entry.size = aengine.info.memory_bytes
             entry.load_seconds = time.perf_counter() - started
             logger.info("loaded %s in %.1fs (%.0f MiB)", entry.name, entry.load_seconds, entry.size / 2**20)
+
+    def _over_budget(self, newcomer: ModelEntry) -> bool:
+        """Whether loading newcomer now would pass the count or the memory budget."""
+        loaded = self.loaded
+        if len(loaded) >= self.max_loaded:
+            return True
+        return self.max_bytes is not None and sum(e.size for e in loaded) + newcomer.size > self.max_bytes
 
     def _unload(self, entry: ModelEntry, why: str) -> None:
         model, entry.model = entry.model, None
