@@ -241,23 +241,26 @@ def gguf_args(g: GGUFFile) -> ModelArgs:
     window = {}
     if "sliding_window" in args_class.__dataclass_fields__ and md.get(f"{arch}.attention.sliding_window"):
         window["sliding_window"] = int(md[f"{arch}.attention.sliding_window"])
-    return args_class(
-        hidden_size=hidden,
-        num_hidden_layers=int(get("block_count")),
-        intermediate_size=int(get("feed_forward_length")),
-        num_attention_heads=n_heads,
-        num_key_value_heads=int(get("attention.head_count_kv", n_heads)),
-        vocab_size=int(vocab),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=int(get("context_length", 4096)),
-        tie_word_embeddings="output.weight" not in g.tensors,
-        attention_bias="blk.0.attn_q.bias" in g.tensors,
-        head_dim=int(md.get(f"{arch}.attention.key_length", hidden // n_heads if n_heads > 0 else 0)),
-        model_type=model_type,
-        **window,
-    )
+    try:
+        return args_class(
+            hidden_size=hidden,
+            num_hidden_layers=int(get("block_count")),
+            intermediate_size=int(get("feed_forward_length")),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(get("attention.head_count_kv", n_heads)),
+            vocab_size=int(vocab),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(get("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in g.tensors,
+            attention_bias="blk.0.attn_q.bias" in g.tensors,
+            head_dim=int(md.get(f"{arch}.attention.key_length", hidden // n_heads if n_heads > 0 else 0)),
+            model_type=model_type,
+            **window,
+        )
+    except ModelLoadError as exc:  # a size no model has: say which file
+        raise ModelLoadError(str(exc) if str(exc).startswith(str(g.path)) else f"{g.path}: {exc}") from None
 
 
 def gguf_weights(g: GGUFFile, args: ModelArgs) -> Weights:
@@ -409,5 +412,10 @@ def _check_complete(weights: Weights, args: ModelArgs, path: Path) -> None:
             raise ModelLoadError(f"{path}: {name} is {tuple(w.shape)}, where the model's sizes make it "
                                  f"({rows}, {cols}): the file is damaged")
     for name, w in weights.items():
-        if name.endswith("norm.weight") and not np.isfinite(np.asarray(w)).all():
+        if not name.endswith("norm.weight"):
+            continue
+        if len(w.shape) != 1 or w.shape[0] not in (h, args.head_dim):
+            raise ModelLoadError(f"{path}: {name} is {tuple(w.shape)}, where the model's sizes make it ({h},): the "
+                                 "file is damaged")
+        if not np.isfinite(np.asarray(w)).all():
             raise ModelLoadError(f"{path}: {name} holds NaN or infinite values: the file is damaged")

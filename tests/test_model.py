@@ -195,3 +195,40 @@ def test_unknown_backend_and_long_prompt(model_path):
                          "word " * 9000)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("error: prompt has 9001 tokens but the model's context is 8192")
+
+
+CHECK_CORPUS = """
+import json, resource, sys
+from pathlib import Path
+limit = int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # a damaged size must not become a huge allocation
+from edgeserve.config import EngineConfig
+from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.errors import EdgeserveError
+from edgeserve.models.loader import load_model
+outcomes = {}
+for path in sorted(Path(sys.argv[1]).glob("*.gguf")):
+    try:
+        LLMEngine(load_model(str(path)), EngineConfig(backend="numpy", kv_memory="64MiB"))
+        outcomes[path.name] = "loaded"
+    except EdgeserveError as exc:
+        outcomes[path.name] = "error: " + str(exc)
+    except BaseException as exc:
+        outcomes[path.name] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(outcomes))
+"""
+
+
+def test_a_corpus_of_damaged_files_each_loads_or_fails_in_one_line(model_path, tmp_path):
+    corpus = tmp_path / "corpus"
+    script = Path(__file__).parents[1] / "bench" / "corrupt_gguf.py"
+    subprocess.run([sys.executable, str(script), str(model_path), str(corpus)], check=True, capture_output=True)
+    done = subprocess.run([sys.executable, "-c", CHECK_CORPUS, str(corpus), str(16 * 2**30)], capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    outcomes = json.loads(done.stdout)
+    assert len(outcomes) >= 40
+    bad = {name: outcome for name, outcome in outcomes.items()
+           if outcome != "loaded" and not (outcome.startswith("error: ") and "\n" not in outcome)}
+    assert not bad
+    assert sum(o.startswith("error: ") for o in outcomes.values()) > len(outcomes) // 2

@@ -332,14 +332,19 @@ class Tokenizer:
         kind = metadata.get("tokenizer.ggml.model")
         if "tokenizer.ggml.tokens" not in metadata:
             raise ModelLoadError("GGUF file has no embedded vocabulary (tokenizer.ggml.tokens)")
-        if kind == "gpt2":
-            codec, add_bos_default = _byte_level_bpe_from_gguf(metadata)
-        elif kind == "llama":
-            codec, add_bos_default = _sentencepiece_from_gguf(metadata), True
-        else:
-            raise ModelLoadError(
-                f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)"
-            )
+        try:
+            if kind == "gpt2":
+                codec, add_bos_default = _byte_level_bpe_from_gguf(metadata)
+            elif kind == "llama":
+                codec, add_bos_default = _sentencepiece_from_gguf(metadata), True
+            else:
+                raise ModelLoadError(
+                    f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)"
+                )
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # tokenizers and sentencepiece refuse a damaged vocabulary with bare Exceptions
+            raise ModelLoadError(f"the GGUF file's vocabulary is damaged: {str(exc).splitlines()[0]}") from None
         extra_eos = [
             metadata[key]
             for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
