@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from edgeserve.sampling_params import SamplingDefaults, SamplingParams
-from edgeserve.server.openai.protocol import Text, check_unique_names, offered
+from edgeserve.server.openai.protocol import MAX_MESSAGES, Text, at_most, check_unique_names, offered
 
 
 class _Body(BaseModel):
@@ -117,7 +117,7 @@ class _Prompt(_Body):
     """What a message and a token count share: the conversation and the tools."""
 
     model: Text
-    messages: list[Message] = Field(min_length=1)
+    messages: Annotated[list[Message], at_most(MAX_MESSAGES)] = Field(min_length=1)
     system: Text | list[TextBlock] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None

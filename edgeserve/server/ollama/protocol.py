@@ -4,12 +4,13 @@ loaded once idle)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from edgeserve.sampling_params import InvalidParamsError, SamplingDefaults, SamplingParams
+from edgeserve.sampling_params import MAX_STOP_STRINGS, InvalidParamsError, SamplingDefaults, SamplingParams
 from edgeserve.server.models import parse_keep_alive
+from edgeserve.server.openai.protocol import MAX_MESSAGES, at_most
 
 # Ollama's num_predict: -1 generates until the model stops or the context is full, as does -2.
 UNTIL_DONE = (-1, -2)
@@ -29,7 +30,7 @@ class Options(BaseModel):
     frequency_penalty: float | None = None
     seed: int | None = None
     num_predict: int | None = None
-    stop: list[str] | None = None
+    stop: Annotated[list[str], at_most(MAX_STOP_STRINGS)] | None = None
 
 
 class KeepAlive(BaseModel):
@@ -95,7 +96,7 @@ class Message(BaseModel):
 
 
 class ChatRequest(Body):
-    messages: list[Message] = []  # none: only load the model (or unload it, with keep_alive 0)
+    messages: Annotated[list[Message], at_most(MAX_MESSAGES)] = []  # none: only load (or unload) the model
     tools: list[dict[str, Any]] | None = None
 
 

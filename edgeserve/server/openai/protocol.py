@@ -19,7 +19,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from edgeserve.sampling_params import SamplingDefaults, SamplingParams
+from edgeserve.sampling_params import MAX_STOP_STRINGS, SamplingDefaults, SamplingParams
 from edgeserve.server.errors import APIError
 
 MAX_N = 64
@@ -40,6 +40,21 @@ def _valid_unicode(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 
+# Bodies are validated on the event loop, item by item: a list past these is refused before its items are looked at
+# (120,000 messages would stall every stream for seconds). Far above any real conversation or stop list.
+MAX_MESSAGES = 10_000
+
+
+def at_most(limit: int) -> BeforeValidator:
+    """A list field's check, run before its items are validated: at most `limit` of them."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, list) and len(value) > limit:
+            raise ValueError(f"holds {len(value)} items; at most {limit} are accepted")
+        return value
+
+    return BeforeValidator(check)
+
 
 class _Body(BaseModel):
     # Strict: "0.5" is not a temperature and true is not a count, as with OpenAI. Unknown fields are
@@ -56,7 +71,7 @@ class _GenerationRequest(_Body):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
-    stop: Text | list[Text] | None = None
+    stop: Text | Annotated[list[Text], at_most(MAX_STOP_STRINGS)] | None = None
     seed: int | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -270,7 +285,7 @@ UNSUPPORTED_CHAT_FIELDS = {
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], at_most(MAX_MESSAGES)] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
