@@ -6,7 +6,6 @@ import ipaddress
 import logging
 import socket
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +38,12 @@ def models_in(folder: Path) -> list[str]:
     if not found:
         raise EdgeserveError(f"--models-dir {folder}: no GGUF file or model folder inside")
     return [str(p) for p in found]
+
+
+def catalog_names(source: str, taken: set[str]) -> tuple[str, ...]:
+    """The catalog's names for a model file, which requests may use too (unless another model has the name)."""
+    file_name = Path(source).name
+    return tuple(e.name for e in CATALOG.values() if e.filename == file_name and e.name not in taken)
 
 
 def expected_bytes(source: str) -> int:
@@ -139,8 +144,10 @@ def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None
     names = [served_model_name(m) for m in sources]
     if len(set(names)) < len(names):
         raise click.UsageError(f"two models would be served under one name: {', '.join(names)}")
+    aliases = tuple(a for a in dict.fromkeys(aliases) if a != names[0])
+    if clash := set(aliases) & set(names):
+        raise click.UsageError(f"--alias {sorted(clash)[0]} is the name of another model served")
     sock = _listen(host, port)
-    started = time.perf_counter()
     engine = build_engine(sources[0], config)
     # the server's modules (FastAPI, uvicorn) load here, so --help and a taken port answer at once
     import uvicorn
@@ -157,10 +164,11 @@ def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None
     if idle_seconds is None:
         idle_seconds = FOREVER if len(sources) == 1 else DEFAULT_KEEP_ALIVE
     kv_bytes = config.kv_budget_bytes()
-    entries = [ModelEntry(name, tuple(aliases) if i == 0 else (), load=loader(source),
+    taken = {*names, *aliases}
+    entries = [ModelEntry(name, aliases if i == 0 else (), catalog_names(source, taken), load=loader(source),
                           size=expected_bytes(source) + kv_bytes) for i, (name, source) in enumerate(zip(names, sources))]
     pool = ModelPool(entries, max_loaded_models, idle_seconds, loader, allow_pull, budget)
-    pool.preload(entries[0], AsyncEngine(engine), time.perf_counter() - started)
+    pool.preload(entries[0], AsyncEngine(engine))
     app = create_app(pool, api_key=api_key, max_queue=max_queue, max_body_size=max_body_size,
                      allowed_hosts=(host, *allowed_hosts), cors_origins=origins)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)

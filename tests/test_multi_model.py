@@ -257,6 +257,11 @@ def test_serve_refuses_two_models_under_one_name(tmp_path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "two models would be served under one name" in done.stderr
     assert "Traceback" not in done.stderr
+    (tmp_path / "b" / "same.gguf").rename(tmp_path / "b" / "other.gguf")
+    clash = subprocess.run([sys.executable, "-m", "edgeserve.cli", "serve", "-m", str(tmp_path / "a" / "same.gguf"),
+                            "-m", str(tmp_path / "b" / "other.gguf"), "--alias", "other", "--port", "0"],
+                           capture_output=True, text=True, timeout=60)
+    assert clash.returncode == 2 and "--alias other is the name of another model" in clash.stderr
 
 
 def test_models_dir_lists_gguf_files_and_model_folders(tmp_path) -> None:
@@ -317,3 +322,13 @@ def test_a_memory_budget_unloads_as_the_count_does_and_refuses_what_never_fits(t
     finally:
         server.stop()
         pool.shutdown()
+
+
+def test_a_served_file_answers_to_its_catalog_name_too() -> None:
+    from edgeserve.cli.serve_cmd import catalog_names
+    from edgeserve.models.catalog import CATALOG
+
+    file = f"/models/{CATALOG[DEFAULT_MODEL].filename}"
+    assert catalog_names(file, {"SmolLM2"}) == (DEFAULT_MODEL,)
+    assert catalog_names(file, {DEFAULT_MODEL}) == ()  # served as a model of its own already
+    assert catalog_names("/models/other.gguf", set()) == ()

@@ -79,7 +79,6 @@ class ModelEntry:
     expires: float = FOREVER  # monotonic time it unloads at, while idle
     expires_at: float = FOREVER  # the same as a wall-clock time, for /api/ps
     size: int = 0  # bytes its last load took (weights and KV pool), else what it is expected to take
-    load_seconds: float = 0.0  # how long its last load took
 
     @property
     def names(self) -> list[str]:
@@ -229,8 +228,7 @@ class ModelPool:
                                param="model", code="model_load_failed") from exc
             entry.model = ServedModel(aengine)
             entry.size = aengine.info.memory_bytes
-            entry.load_seconds = time.perf_counter() - started
-            logger.info("loaded %s in %.1fs (%.0f MiB)", entry.name, entry.load_seconds, entry.size / 2**20)
+            logger.info("loaded %s in %.1fs (%.0f MiB)", entry.name, time.perf_counter() - started, entry.size / 2**20)
 
     def _over_budget(self, newcomer: ModelEntry) -> bool:
         """Whether loading newcomer now would pass the count or the memory budget."""
@@ -255,11 +253,10 @@ class ModelPool:
                 if entry.leases == 0 and not entry.pinned and now >= entry.expires:
                     self._unload(entry, f"idle for {entry.keep_alive:g}s")
 
-    def preload(self, entry: ModelEntry, aengine: AsyncEngine, seconds: float) -> None:
+    def preload(self, entry: ModelEntry, aengine: AsyncEngine) -> None:
         """Hold an engine loaded before the server started (the first model, so a broken one fails at once)."""
         entry.model = ServedModel(aengine)
         entry.size = aengine.info.memory_bytes
-        entry.load_seconds = seconds
         entry.expires = time.monotonic() + entry.keep_alive
         entry.expires_at = time.time() + entry.keep_alive
 
