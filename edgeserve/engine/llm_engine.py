@@ -25,6 +25,9 @@ from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.models.loader import LoadedModel, load_model
 from edgeserve.sampling_params import SamplingDefaults, SamplingParams
 
+# An embedding from a prompt's final hidden states [tokens, hidden], by the model's pooling (LoadedModel.pooling)
+POOLING = {"mean": lambda rows: rows.mean(axis=0), "cls": lambda rows: rows[0], "last": lambda rows: rows[-1]}
+
 
 @dataclass
 class EngineStats:
@@ -297,8 +300,8 @@ class LLMEngine:
             for seq in held:
                 self.block_manager.free_seq(seq)
         bounds = np.cumsum([0, *(len(ids) for ids in prompts)])
-        pool = {"mean": lambda rows: rows.mean(axis=0), "cls": lambda rows: rows[0], "last": lambda rows: rows[-1]}
-        pooled = np.stack([pool[self.model.pooling](states[a:b].astype(np.float64))
+        pool = POOLING[self.model.pooling]
+        pooled = np.stack([pool(states[a:b].astype(np.float64))
                            for a, b in zip(bounds[:-1], bounds[1:])])
         return (pooled / np.linalg.norm(pooled, axis=1, keepdims=True)).astype(np.float32)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.llm_engine import EngineStats
-from edgeserve.models.catalog import CATALOG
+from edgeserve.models.catalog import CATALOG, names_for_file
 from edgeserve.server.errors import APIError
 from edgeserve.server.served_model import ServedModel
 from edgeserve.units import format_size
@@ -115,7 +115,7 @@ class ModelPool:
         """One model, loaded already and kept for the server's life; the catalog's names for its file work too."""
         source = aengine.info.model_name
         aliases = tuple(a for a in dict.fromkeys(aliases) if a != name)
-        unlisted = tuple(e.name for e in CATALOG.values() if e.filename == source and e.name not in (name, *aliases))
+        unlisted = tuple(n for n in names_for_file(source) if n not in (name, *aliases))
         entry = ModelEntry(name, aliases, unlisted, model=ServedModel(aengine), size=aengine.info.memory_bytes)
         return cls([entry], keep_alive=FOREVER)
 
@@ -128,8 +128,12 @@ class ModelPool:
         self.entries.append(entry)
         self._by_name.update(dict.fromkeys(names, entry))
 
-    def serves(self, name: str) -> bool:
-        return name in self._by_name
+    def add_catalog_model(self, name: str) -> ModelEntry | None:
+        """Serve a catalog model by its name (pulled when it first loads), where the pool can load models by name;
+        the entry serving it, or None."""
+        if name not in self._by_name and self.loader is not None:
+            self.add(ModelEntry(name, load=self.loader(name)))
+        return self._by_name.get(name)
 
     @property
     def default(self) -> ModelEntry:
@@ -148,8 +152,7 @@ class ModelPool:
         base = requested.removesuffix(":latest")
         entry = self._by_name.get(requested) or self._by_name.get(base)
         if entry is None and self.allow_pull and base in CATALOG:
-            entry = ModelEntry(base, load=self.loader(base))
-            self.add(entry)
+            entry = self.add_catalog_model(base)
         if entry is None:
             served = ", ".join(repr(n) for e in self.entries for n in e.names)
             raise APIError(404, f"the model {requested!r} does not exist; this server serves {served}",

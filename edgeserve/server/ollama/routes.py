@@ -25,7 +25,7 @@ from edgeserve.models.catalog import CATALOG, pull
 from edgeserve.sampling_params import InvalidParamsError, SamplingParams
 from edgeserve.server.errors import APIError
 from edgeserve.server.generation import Generation
-from edgeserve.server.models import FOREVER, ModelEntry
+from edgeserve.server.models import FOREVER
 from edgeserve.server.ollama.protocol import (
     Body,
     ChatRequest,
@@ -42,6 +42,7 @@ from edgeserve.text.tool_stream import AnswerEvents, CallEnded, Event, Reasoning
 if TYPE_CHECKING:
     from edgeserve.engine.llm_engine import EngineInfo
     from edgeserve.server.app import Server
+    from edgeserve.server.models import ModelEntry
     from edgeserve.server.served_model import ServedModel
 
 NS = 1_000_000_000
@@ -262,8 +263,7 @@ class _Ollama:
             yield {"status": f"pulling {entry.filename}", "digest": f"sha256:{entry.sha256}", "total": size,
                    "completed": size}
             yield {"status": "verifying sha256 digest"}
-            if not models.serves(name) and models.loader is not None:
-                models.add(ModelEntry(name, load=models.loader(name)))
+            models.add_catalog_model(name)
             yield {"status": "success"}
 
         if body.stream:
