@@ -30,7 +30,7 @@ QMATMUL = Extension(
     sources=["edgeserve/backends/_qmatmul.c", "edgeserve/backends/_cpu_ops.c",
              "edgeserve/backends/_decoder.c", "edgeserve/backends/_pool.c"],
     depends=["edgeserve/backends/_qmatmul.h", "edgeserve/backends/_pool.h"],
-    extra_compile_args=["-O3", "-std=c11", "-pthread"] if UNIX else ["/O2"],
+    extra_compile_args=["-O3", "-std=c11", "-pthread", "-fno-trapping-math"] if UNIX else ["/O2"],
     extra_link_args=["-pthread"] if UNIX else [],
     optional=True,
 )
