@@ -115,6 +115,7 @@ class SamplingParams:
     # The grammar binds only once the output writes this text, from the token where it begins (a tool call's
     # marker); until then the output is free.
     grammar_trigger: str | None = None
+    speculative: str | None = None  # "auto", "ngram" or "off" for this request; None: the engine's setting
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -146,6 +147,7 @@ class SamplingParams:
              "cannot be combined with regex or grammar: give one of them"),
             (self.grammar_trigger is None or (self.grammar is not None and self.grammar_trigger != ""),
              "grammar_trigger", "must be a non-empty text, with a grammar"),
+            (self.speculative in (None, "auto", "ngram", "off"), "speculative", "must be auto, ngram or off"),
         ]
         for ok, param, message in checks:
             if not ok:
