@@ -9,6 +9,7 @@ from edgeserve.system import available_memory_bytes
 from edgeserve.units import parse_size
 
 DEFAULT_KV_MEMORY = "1GiB"
+SPECULATIVE_MODES = ("auto", "ngram", "off")  # see engine/speculative.py
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgeserve.config import SPECULATIVE_MODES
 from edgeserve.errors import EdgeserveError
 
 
@@ -147,7 +148,8 @@ class SamplingParams:
              "cannot be combined with regex or grammar: give one of them"),
             (self.grammar_trigger is None or (self.grammar is not None and self.grammar_trigger != ""),
              "grammar_trigger", "must be a non-empty text, with a grammar"),
-            (self.speculative in (None, "auto", "ngram", "off"), "speculative", "must be auto, ngram or off"),
+            (self.speculative in (None, *SPECULATIVE_MODES), "speculative",
+             f"must be one of {', '.join(SPECULATIVE_MODES)}"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from edgeserve.config import SPECULATIVE_MODES
 from edgeserve.errors import EdgeserveError
 
 if TYPE_CHECKING:
     from edgeserve.engine.sequence import Sequence
 
-SPECULATIVE_MODES = ("auto", "ngram", "off")
 MAX_DRAFT = 8  # tokens one draft may hold
 NGRAM_MAX = 3  # longest suffix looked up first
 NGRAM_MIN = 1
