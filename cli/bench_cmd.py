@@ -18,7 +18,7 @@ from edgeserve.config import EngineConfig
 if TYPE_CHECKING:
     from edgeserve.text.tokenizer import Tokenizer
 
-WORKLOADS = ("single", "mixed", "sweep", "prefix", "all")
+WORKLOADS = ("single", "mixed", "sweep", "prefix", "speculative", "all")
 SWEEP = "1,4,8,16,32,64"
 
 
@@ -67,7 +67,9 @@ def _print_table(title: str, runs: list[dict]) -> None:
 @model_options
 @click.option("--workload", "-w", type=click.Choice(WORKLOADS), default="all", show_default=True,
               help="single: one stream (prefill, decode); mixed: 64 varied requests, continuous vs static; "
-                   "sweep: decode at 1-64 streams; prefix: 16 requests sharing a 1,500-token system prompt.")
+                   "sweep: decode at 1-64 streams; prefix: 16 requests sharing a 1,500-token system prompt; "
+                   "speculative (not in all): tasks that copy their input and an open chat, one stream, with "
+                   "speculative decoding off, auto and ngram.")
 @click.option("--max-batch", default=16, show_default=True, help="Max running sequences (both batching modes).")
 @click.option("--requests", "num_requests", default=64, show_default=True, help="Requests in the mixed workload.")
 @click.option("--max-output", default=512, show_default=True, help="Longest output in the mixed workload.")
@@ -88,6 +90,8 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
     from edgeserve.engine.llm_engine import LLMEngine
     from edgeserve.models.loader import load_model
 
+    if url and workload == "speculative":
+        raise click.UsageError("the speculative workload compares the in-process engine's modes; leave out --url")
     loaded = load_model(model)
     tok = loaded.tokenizer
     results: dict[str, object] = {"model": loaded.source.name}
@@ -130,6 +134,9 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
     if workload in ("prefix", "all"):
         requests = workloads.shared_prefix_workload(tok, 16, 1500, seed=seed)
         results["prefix"] = workloads.run_shared_prefix(LLMEngine(loaded, config), requests)
+    if workload == "speculative":
+        results["speculative"] = workloads.run_speculative(
+            lambda mode: LLMEngine(loaded, config, speculative=mode))
     _emit(results, as_json)
 
 
@@ -188,5 +195,7 @@ def _emit(results: dict, as_json: bool) -> None:
             click.echo(f"continuous / static throughput: {value['continuous_over_static']}x", err=True)
         elif key == "sweep":
             _print_table("decode throughput by concurrent streams", value)
+        elif key == "speculative":
+            _print_table("speculative decoding, one stream, greedy", value)
         elif isinstance(value, dict):
             _print_table(key, [value])

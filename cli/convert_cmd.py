@@ -155,7 +155,7 @@ def eval_group() -> None:
 
 
 @eval_group.command("perplexity")
-@model_options(ctx_default=str(PERPLEXITY_WINDOW))
+@model_options(ctx_default=str(PERPLEXITY_WINDOW), generates=False)
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help=f"UTF-8 text file  [default: {SHIPPED_TEXT_TITLE}]")
 def perplexity_cmd(model: str, config: EngineConfig, text_path: Path | None) -> None:

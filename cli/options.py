@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from edgeserve.backends import ACTIVATION_MODES, BACKENDS, DEFAULT_ACTIVATIONS, WEIGHT_MODES
-from edgeserve.config import DEFAULT_KV_MEMORY, EngineConfig
+from edgeserve.config import DEFAULT_KV_MEMORY, SPECULATIVE_MODES, EngineConfig
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.sampling_params import FALLBACK_SAMPLING, SamplingDefaults, SamplingParams
@@ -31,22 +31,30 @@ class BackendChoice(click.Choice):
         return value
 
 
-def model_options(run: Callable | None = None, *, ctx_default: str = "the model's", several: bool = False) -> Callable:
-    """--model, and the engine's --backend, --weights, --activations, --kv-memory, --threads and --ctx-size, which
-    reach the command as one EngineConfig argument `config`; ctx_default: what --help says -c defaults to;
-    several: -m may be given more than once (the command gets a tuple, empty where none was given)."""
+def model_options(run: Callable | None = None, *, ctx_default: str = "the model's", several: bool = False,
+                  generates: bool = True) -> Callable:
+    """--model, and the engine's --backend, --weights, --activations, --kv-memory, --threads, --ctx-size and (where
+    the command generates text) --speculative, which reach the command as one EngineConfig argument `config`;
+    ctx_default: what --help says -c defaults to; several: -m may be given more than once (the command gets a
+    tuple, empty where none was given)."""
     if run is None:
-        return functools.partial(model_options, ctx_default=ctx_default, several=several)
+        return functools.partial(model_options, ctx_default=ctx_default, several=several, generates=generates)
 
     @functools.wraps(run)
     def command(*args: object, backend: str, weights: str, activations: str | None, kv_memory: str,
-                threads: int | None, ctx_size: int | None, **kwargs: object) -> object:
+                threads: int | None, ctx_size: int | None, speculative: str = "off", **kwargs: object) -> object:
         config = EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory, threads=threads,
-                              max_model_len=ctx_size, activations=activations)
+                              max_model_len=ctx_size, activations=activations, speculative=speculative)
         return run(*args, config=config, **kwargs)
 
+    f = command
+    if generates:
+        f = click.option("--speculative", type=click.Choice(SPECULATIVE_MODES), default="off", show_default=True,
+                         help="Speculative decoding: ngram guesses the next tokens from the prompt and output so "
+                              "far (prompt lookup) and checks them in one step; auto does so but backs off where "
+                              "guesses miss.")(f)
     f = click.option("--ctx-size", "-c", type=click.IntRange(min=16), default=None,
-                     help=f"Context length in tokens  [default: {ctx_default}]")(command)
+                     help=f"Context length in tokens  [default: {ctx_default}]")(f)
     f = click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
                      help="CPU threads for the NumPy backend's kernels  [default: every core]")(f)
     f = click.option("--kv-memory", default=DEFAULT_KV_MEMORY, show_default=True,

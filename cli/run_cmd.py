@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import click
 
@@ -14,6 +14,9 @@ from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import CATALOG
 from edgeserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from edgeserve.engine.llm_engine import LLMEngine
 
 
 def read_prompt(prompt: str | None, prompt_option: str | None, prompt_file: TextIO | None) -> str:
@@ -116,9 +119,19 @@ def run(model: str, config: EngineConfig, settings: dict, prompt_option: str | N
             "prompt_tokens": len(ids), "completion_tokens": n_out, "finish_reason": reason,
             "ttft_s": round(ttft or 0.0, 4), "decode_tokens_per_s": round(decode_tps, 2),
             "total_s": round(elapsed, 4),
+            **_speculation(engine),
         }))
     else:
         click.echo()
         stop = stop_note(reason, n_out, params.max_tokens)
         console.print(f"[{len(ids)} prompt + {n_out} tokens, TTFT {ttft or 0:.2f}s, {decode_tps:.1f} tok/s"
                       f"{'' if stop is None else ' · ' + stop}]", style="dim", markup=False)
+
+
+def _speculation(engine: LLMEngine) -> dict:
+    """The speculative decoding figures, where the request guessed any tokens."""
+    st = engine.stats()
+    if not st.draft_tokens:
+        return {}
+    return {"draft_tokens": st.draft_tokens, "accepted_draft_tokens": st.accepted_draft_tokens,
+            "draft_acceptance_rate": round(st.draft_acceptance_rate, 4)}

@@ -9,6 +9,7 @@ from edgeserve.system import available_memory_bytes
 from edgeserve.units import parse_size
 
 DEFAULT_KV_MEMORY = "1GiB"
+SPECULATIVE_MODES = ("auto", "ngram", "off")  # see engine/speculative.py
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class EngineConfig:
     max_model_len: int | None = None  # context limit; None: the model's own
     threads: int | None = None  # CPU threads for the NumPy backend's kernels; None: every core
     activations: str | None = None  # NumPy kernels' activation integers, "int8" or "int16"; None: their default
+    speculative: str = "off"  # speculative decoding: "auto", "ngram" or "off" (engine/speculative.py)
 
     def kv_budget_bytes(self) -> int:
         """kv_memory in bytes: '2GiB', '512MB', a byte count, or a fraction of available memory ('0.25', '25%')."""

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgeserve.config import SPECULATIVE_MODES
 from edgeserve.errors import EdgeserveError
 
 
@@ -115,6 +116,7 @@ class SamplingParams:
     # The grammar binds only once the output writes this text, from the token where it begins (a tool call's
     # marker); until then the output is free.
     grammar_trigger: str | None = None
+    speculative: str | None = None  # "auto", "ngram" or "off" for this request; None: the engine's setting
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -146,6 +148,8 @@ class SamplingParams:
              "cannot be combined with regex or grammar: give one of them"),
             (self.grammar_trigger is None or (self.grammar is not None and self.grammar_trigger != ""),
              "grammar_trigger", "must be a non-empty text, with a grammar"),
+            (self.speculative in (None, *SPECULATIVE_MODES), "speculative",
+             f"must be one of {', '.join(SPECULATIVE_MODES)}"),
         ]
         for ok, param, message in checks:
             if not ok:

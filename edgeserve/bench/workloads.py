@@ -6,6 +6,7 @@ The same seeded workloads drive the in-process engine and any OpenAI-compatible 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -178,3 +179,71 @@ def run_shared_prefix(engine: LLMEngine, requests: list[BenchRequest], progress:
         "prefix_cache_hit_tokens": stats.prefix_hit_tokens,
         "prefix_hit_rate": round(stats.prefix_hit_rate, 4),
     }
+
+
+_CODE = '''def summarize(orders):
+    total = 0
+    count = 0
+    largest = None
+    for order in orders:
+        if order.get("status") != "paid":
+            continue
+        amount = order["amount"]
+        total += amount
+        count += 1
+        if largest is None or amount > largest:
+            largest = amount
+    average = total / count if count else 0.0
+    return {"total": total, "count": count, "average": average, "largest": largest}
+'''
+
+_DOCUMENT = ("The lighthouse at Point Arden was built in 1871 from granite quarried on the island itself. "
+             "Its lamp burned whale oil until 1893, then kerosene, and was finally electrified in 1937. "
+             "The last keeper, Margaret Hollis, left the station in 1968, when the light was automated. "
+             "Today the tower is maintained by a volunteer society and is open to visitors every summer.")
+
+# Single-stream chat tasks: two whose answers copy their input (where prompt lookup's guesses are right),
+# and an open-ended one (where they mostly are not, and speculation must not cost much).
+SPECULATIVE_TASKS = {
+    "code_edit": f"Rewrite this Python function, renaming the variable `largest` to `biggest`. "
+                 f"Reply with the whole function only.\n\n```python\n{_CODE}```",
+    "quote": f"Here is a document:\n\n{_DOCUMENT}\n\nRepeat the document exactly, word for word.",
+    "open_chat": "Write a short story about a fox who learns to paint.",
+}
+
+
+def run_speculative(make_engine: Callable[[str], LLMEngine], modes: tuple[str, ...] = ("off", "auto", "ngram"),
+                    max_tokens: int = 256, repeats: int = 2) -> list[dict]:
+    """Each task's greedy answer, alone, under each speculative mode (the best of `repeats` runs each): decode
+    tokens/s, its ratio to "off", and how many guessed tokens were accepted."""
+    from edgeserve.engine.prompts import Prompts
+
+    rows = []
+    for task, content in tqdm(SPECULATIVE_TASKS.items(), desc="speculative", unit="task", leave=False):
+        row: dict = {"name": task}
+        answers = set()
+        for mode in modes:
+            best = 0.0
+            for _ in range(repeats):
+                engine = make_engine(mode)
+                ids = Prompts.for_engine(engine).chat([{"role": "user", "content": content}])
+                engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), task)
+                first, tokens = None, []
+                while engine.has_unfinished():
+                    for out in engine.step():
+                        first = first or time.perf_counter()
+                        tokens += out.token_ids
+                decode_time = time.perf_counter() - first
+                best = max(best, (len(tokens) - 1) / decode_time if len(tokens) > 1 else 0.0)
+            answers.add(tuple(tokens))
+            st = engine.stats()
+            row["output_tokens"] = len(tokens)
+            row[f"{mode}_decode_tokens_per_s"] = round(best, 1)
+            if mode != "off":
+                row[f"{mode}_over_off"] = round(best / row["off_decode_tokens_per_s"], 2)
+                row[f"{mode}_draft_acceptance_rate"] = round(st.draft_acceptance_rate, 3)
+                checks = st.draft_checks
+                row[f"{mode}_tokens_per_check"] = round(1 + st.accepted_draft_tokens / checks, 2) if checks else 0.0
+        row["same_answer"] = len(answers) == 1
+        rows.append(row)
+    return rows

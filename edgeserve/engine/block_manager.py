@@ -142,6 +142,15 @@ class BlockManager:
                 self.hash_to_block[h] = block
                 self.block_hash[block] = h
 
+    def trim(self, seq: Sequence) -> None:
+        """Free seq's blocks past those its tokens need (slots a rejected draft was given)."""
+        keep = blocks_for(seq.num_tokens, self.block_size)
+        for b in reversed(seq.block_table[keep:]):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free[b] = None
+        del seq.block_table[keep:]
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let child share every block of parent (copy-on-write when either writes a shared block)."""
         for b in parent.block_table:

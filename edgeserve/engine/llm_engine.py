@@ -17,10 +17,11 @@ from edgeserve.engine.block_manager import BlockManager, blocks_for
 from edgeserve.engine.constraints import Constraints
 from edgeserve.engine.kv_budget import size_pool
 from edgeserve.engine.model_runner import ModelRunner
-from edgeserve.engine.output import Completion, OutputProcessor, RequestOutput
-from edgeserve.engine.sampler import sample
+from edgeserve.engine.output import Completion, OutputProcessor, RequestOutput, merge_outputs
+from edgeserve.engine.sampler import check_guess, sample
 from edgeserve.engine.scheduler import ScheduledSeq, Scheduler
 from edgeserve.engine.sequence import Sequence
+from edgeserve.engine.speculative import Speculator
 from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.models.loader import LoadedModel, load_model
 from edgeserve.sampling_params import SamplingDefaults, SamplingParams
@@ -47,10 +48,17 @@ class EngineStats:
     prefix_query_tokens: int = 0
     preemptions: int = 0
     tokens_per_second: float = 0.0  # output tokens per second over the recent window
+    draft_tokens: int = 0  # tokens speculative decoding guessed and checked
+    accepted_draft_tokens: int = 0  # of those, how many were right (each one a token gained)
+    draft_checks: int = 0  # decode steps of a sequence that checked a draft
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -102,8 +110,9 @@ class LLMEngine:
                                    self.backend.kv_dtype_bytes)
         self.runner = ModelRunner(model, self.backend, self.pool_size)
         self.block_manager = BlockManager(self.pool_size.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.speculator = Speculator(config.speculative)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.static_batching)
+                                   config.static_batching, self.speculator.propose)
         context = model.args.max_position_embeddings
         self.context_len = min(config.max_model_len or context, context)
         # a longer sequence could never grow, even alone in the pool
@@ -192,14 +201,27 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        sampling = [item.seq for item in scheduled if item.samples]
-        masks = self.constraints.start_masks(sampling)  # computed while the model runs
+        sampling = [item for item in scheduled if item.samples]
+        plain = [item.seq for item in sampling if not item.draft]
+        masks = self.constraints.start_masks(plain)  # computed while the model runs
         logits = self._run(scheduled)
-        unmasked = self.constraints.apply(logits, masks, sampling)
-        tokens, failed = sample(logits, sampling)
+        # each sampling item's first row of logits; one checking a draft has 1 + len(draft) rows
+        first_rows = np.cumsum([0] + [1 + len(item.draft) for item in sampling])[:-1]
+        plain_logits = logits[[r for item, r in zip(sampling, first_rows) if not item.draft]]
+        unmasked = self.constraints.apply(plain_logits, masks, plain)
+        tokens, failed = sample(plain_logits, plain)
         failed = {**failed, **unmasked}
         self._update(scheduled)
-        return self._outputs(sampling, tokens, logits, failed)
+        outputs = []
+        row = iter(range(len(plain)))
+        for item, first in zip(sampling, first_rows):
+            if item.draft:
+                outputs.append(self._check_draft(item, logits[first : first + 1 + len(item.draft)]))
+            else:
+                i = next(row)
+                outputs.append(self._output(item.seq, tokens[i], plain_logits[i], failed.get(i)))
+        self._count_outputs(sum(len(out.token_ids) for out in outputs))
+        return outputs
 
     def run_to_completion(self, on_step: Callable[[list[RequestOutput]], None] | None = None
                           ) -> dict[str, Completion]:
@@ -223,7 +245,8 @@ class LLMEngine:
         return self.runner.run(scheduled)
 
     def _update(self, scheduled: list[ScheduledSeq]) -> None:
-        """Count the step's tokens as computed and put newly full blocks into the prefix cache."""
+        """Count the step's tokens as computed (a draft's only once checked) and put newly full blocks into the
+        prefix cache."""
         st = self._stats
         st.steps += 1
         st.last_batch_seqs = len(scheduled)
@@ -234,36 +257,70 @@ class LLMEngine:
                 continue
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 st.prompt_tokens_computed += min(item.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
-            seq.num_computed_tokens += item.num_new_tokens
+            seq.num_computed_tokens += item.num_new_tokens - len(item.draft)
             self.block_manager.register_full_blocks(seq)
 
-    def _outputs(self, seqs: list[Sequence], tokens: list[int], logits: np.ndarray,
-                 failed: dict[int, str]) -> list[RequestOutput]:
-        """Append each sampled token; finished requests leave the scheduler, and so do failed ones, alone."""
-        outputs = []
-        for row, (seq, token) in enumerate(zip(seqs, tokens)):
-            error = failed.get(row)
-            if error is None:
-                try:
-                    seq.token_ids.append(token)
-                    grammar_complete = self.constraints.accept(seq, token)
-                    out = self.output.process(seq, token, logits[row], grammar_complete)
-                except Exception as exc:  # detokenizing one request must not fail the batch
-                    error = f"output failed: {exc}"
-            if error is not None:
-                self.scheduler.finish(seq)
-                self.constraints.drop(seq.request_id)
-                outputs.append(self.output.fail(seq.request_id, error))
-                continue
-            if out.finished:
-                self.scheduler.finish(seq)
-                self.constraints.drop(seq.request_id)
-            outputs.append(out)
-        self._stats.output_tokens += len(seqs)
+    def _output(self, seq: Sequence, token: int, logits_row: np.ndarray, error: str | None) -> RequestOutput:
+        """Append a sampled token; a finished request leaves the scheduler, and so does a failed one, alone."""
+        if error is None:
+            try:
+                out = self._append(seq, token, logits_row)
+            except Exception as exc:  # detokenizing one request must not fail the batch
+                error = f"output failed: {exc}"
+        if error is not None:
+            return self._fail(seq, error)
+        if out.finished:
+            self._retire(seq)
+        return out
+
+    def _check_draft(self, item: ScheduledSeq, rows: np.ndarray) -> RequestOutput:
+        """Keep the longest run of item's draft that sampling accepts, then the token its first rejected (or its
+        last) row gives; the K/V of rejected guesses is dropped with the blocks that held only them."""
+        seq, draft = item.seq, item.draft
+        outs: list[RequestOutput] = []
+        accepted = 0
+        try:
+            for i, row in enumerate(rows):
+                guess = draft[i] if i < len(draft) else None
+                token = check_guess(row, seq, guess)
+                outs.append(self._append(seq, token, row))
+                if token != guess:
+                    break
+                accepted += 1
+                if outs[-1].finished:
+                    break
+        except Exception as exc:  # one request's sampling or detokenizing must not fail the batch
+            return self._fail(seq, f"output failed: {exc}")
+        self.speculator.record(seq, len(draft), accepted)
+        out = merge_outputs(outs)
+        if out.finished:
+            self._retire(seq)
+            return out
+        # rows 1..accepted hold the K/V of the accepted guesses; the rest is never read (positions past the
+        # sequence's computed tokens are written again before any row attends to them)
+        seq.num_computed_tokens += accepted
+        self.block_manager.register_full_blocks(seq)
+        self.block_manager.trim(seq)
+        return out
+
+    def _append(self, seq: Sequence, token: int, logits_row: np.ndarray) -> RequestOutput:
+        seq.token_ids.append(token)
+        grammar_complete = self.constraints.accept(seq, token)
+        return self.output.process(seq, token, logits_row, grammar_complete)
+
+    def _retire(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.constraints.drop(seq.request_id)
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        self._retire(seq)
+        return self.output.fail(seq.request_id, error)
+
+    def _count_outputs(self, num_tokens: int) -> None:
+        self._stats.output_tokens += num_tokens
         now = time.perf_counter()
-        self._recent.append((now, len(seqs)))
+        self._recent.append((now, num_tokens))
         self._recent = [(t, n) for t, n in self._recent if now - t < 5.0]
-        return outputs
 
     def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
         """Logits at every position of token_ids [T, vocab], for scoring (perplexity, parity checks).
@@ -329,6 +386,8 @@ class LLMEngine:
         st.prefix_hit_tokens = usage.prefix_hit_tokens
         st.prefix_query_tokens = usage.prefix_query_tokens
         st.preemptions = self.scheduler.num_preemptions
+        st.draft_tokens, st.accepted_draft_tokens = self.speculator.drafted, self.speculator.accepted
+        st.draft_checks = self.speculator.verify_steps
         if len(self._recent) > 1:
             span = self._recent[-1][0] - self._recent[0][0]
             st.tokens_per_second = sum(n for _, n in self._recent[1:]) / span if span > 0 else 0.0

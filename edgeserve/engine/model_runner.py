@@ -31,14 +31,14 @@ class ModelRunner:
             first = item.first_position
             pos = np.arange(first, first + n)
             table = np.asarray(seq.block_table, dtype=np.int64)
-            tokens.append(seq.token_ids[first : first + n])
+            tokens.append(seq.token_ids[first : first + n - len(item.draft)] + item.draft)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             lens.append(first + n)
             tables.append(table)
             starts.append(starts[-1] + n)
-            if item.samples:
-                sample_rows.append(starts[-1] - 1)
+            if item.samples:  # a draft's check needs every row's logits: what follows each guess
+                sample_rows.extend(range(starts[-1] - 1 - len(item.draft), starts[-1]))
         width = max(len(t) for t in tables)
         block_tables = np.zeros((len(tables), width), dtype=np.int64)
         for i, t in enumerate(tables):
@@ -61,7 +61,8 @@ class ModelRunner:
 
     def run(self, scheduled: list[ScheduledSeq], all_rows: bool = False, hidden: bool = False) -> np.ndarray:
         """Forward the step; return float32 logits [sampling rows (or every row), vocab] as NumPy (hidden: the
-        final hidden states [rows, hidden_size] instead)."""
+        final hidden states [rows, hidden_size] instead). A sequence checking a draft has 1 + len(draft)
+        sampling rows."""
         batch = self.build_batch(scheduled)
         if all_rows:
             batch.logits_indices = np.arange(len(batch.token_ids))

@@ -6,6 +6,7 @@ it was sent, and decides when the request ends (stop tokens, stop strings, lengt
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -34,6 +35,14 @@ class RequestOutput:
     elapsed: float = 0.0  # seconds from arrival to this output
     error: str | None = None
     stop_string: str | None = None  # the stop string that ended it, where one did
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request (several tokens of one step) as one."""
+    last = outputs[-1]
+    return dataclasses.replace(last, text="".join(o.text for o in outputs),
+                               token_ids=[t for o in outputs for t in o.token_ids],
+                               logprobs=[lp for o in outputs for lp in o.logprobs])
 
 
 class RequestState:

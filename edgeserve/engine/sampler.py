@@ -33,9 +33,8 @@ def apply_penalties(logits: np.ndarray, seq: Sequence) -> np.ndarray:
     return logits
 
 
-def sample_row(logits: np.ndarray, seq: Sequence) -> int:
-    """One token from processed logits: temperature, top-k, top-p, min-p, then a seeded draw."""
-    p = seq.params
+def _processed(logits: np.ndarray, seq: Sequence) -> np.ndarray:
+    """A row's logits as float64 after bias and penalties, a grammar's forbidden tokens at -inf."""
     # Forbidden by a grammar (masked to about -LOGIT_LIMIT): no penalty may lift them (a repetition
     # penalty of 1e-300 would, multiplying them), nor may clipping tie them with penalized allowed ones.
     masked = logits <= -LOGIT_LIMIT
@@ -44,8 +43,12 @@ def sample_row(logits: np.ndarray, seq: Sequence) -> int:
     np.clip(logits, -LOGIT_LIMIT, LOGIT_LIMIT, out=logits)
     logits[np.isnan(logits)] = -LOGIT_LIMIT
     logits[masked] = -np.inf
-    if p.greedy:
-        return int(np.argmax(logits))
+    return logits
+
+
+def _weights(logits: np.ndarray, seq: Sequence) -> np.ndarray:
+    """Unnormalized probabilities of processed logits: temperature, top-k, top-p, min-p."""
+    p = seq.params
     x = logits / p.temperature
     if 0 < p.top_k < x.size:
         x[x < np.partition(x, -p.top_k)[-p.top_k]] = -np.inf
@@ -59,9 +62,38 @@ def sample_row(logits: np.ndarray, seq: Sequence) -> int:
         probs[probs < p.min_p * probs.max()] = 0.0
     if p.top_p < 1.0:
         keep_top_p(probs, p.top_p)
+    return probs
+
+
+def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     cdf = np.cumsum(probs)
     cdf /= cdf[-1]
-    return int(np.searchsorted(cdf, seq.rng.random(), side="right"))  # Generator.choice's draw, less its checks
+    return int(np.searchsorted(cdf, rng.random(), side="right"))  # Generator.choice's draw, less its checks
+
+
+def sample_row(logits: np.ndarray, seq: Sequence) -> int:
+    """One token from processed logits: temperature, top-k, top-p, min-p, then a seeded draw."""
+    x = _processed(logits, seq)
+    if seq.params.greedy:
+        return int(np.argmax(x))
+    return _draw(_weights(x, seq), seq.rng)
+
+
+def check_guess(logits: np.ndarray, seq: Sequence, guess: int | None) -> int:
+    """The token a row of a draft's check gives: guess where it is accepted, else what replaces it (guess None:
+    the row after a wholly accepted draft, sampled as usual).
+
+    A prompt-lookup draft is a point mass, so speculative sampling's rule becomes: accept guess with its
+    probability p(guess), else draw from p without guess; the token is then distributed as p exactly.
+    Greedy rows accept guess only where it is the likeliest token.
+    """
+    if guess is None or seq.params.greedy:
+        return sample_row(logits, seq) if needs_processing(seq) else int(np.argmax(logits))
+    probs = _weights(_processed(logits, seq), seq)
+    if seq.rng.random() * probs.sum() < probs[guess]:
+        return guess
+    probs[guess] = 0.0
+    return _draw(probs, seq.rng)
 
 
 def keep_top_p(probs: np.ndarray, top_p: float) -> None:

@@ -14,7 +14,8 @@ only the budget left over, and are the first to go when the pool runs out.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from edgeserve.engine.block_manager import BlockManager
 from edgeserve.engine.sequence import Sequence, SequenceStatus
@@ -25,6 +26,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     padding: bool = False  # a finished sequence held in a static batch: its last token, recomputed
+    draft: list[int] = field(default_factory=list)  # guessed next tokens, checked in this step after its last token
 
     @property
     def first_position(self) -> int:
@@ -33,13 +35,19 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence, so a new token is sampled."""
-        return not self.padding and self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return (not self.padding
+                and self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft) == self.seq.num_tokens)
+
+
+# (sequence, most tokens) -> a draft of its next tokens to check in its decode step, or []
+Proposer = Callable[[Sequence, int], list[int]]
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 static_batching: bool = False):
+                 static_batching: bool = False, propose: Proposer | None = None):
         self.bm = block_manager
+        self.propose = propose
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.static_batching = static_batching
@@ -72,6 +80,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         preempted = False
+        decodes_left = sum(1 for s in self.running if not s.is_finished and not s.is_prefilling)
         # decodes before prefill chunks, first come first served among each; a static batch's padding rows
         # last, so they never take the budget its unfinished sequences need
         for seq in sorted(self.running, key=lambda s: (s.is_finished, s.is_prefilling)):
@@ -83,6 +92,13 @@ class Scheduler:
                     budget -= 1
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not seq.is_prefilling:
+                decodes_left -= 1
+            # a draft takes only budget no later decode needs
+            if not seq.is_prefilling and (draft := self._draft(seq, budget - 1 - decodes_left)):
+                out.append(ScheduledSeq(seq, 1 + len(draft), draft=draft))
+                budget -= 1 + len(draft)
+                continue
             while not self.bm.allocate_slots(seq, n):
                 victim = self._victim()
                 self._preempt(victim)
@@ -116,6 +132,18 @@ class Scheduler:
                 out.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """A draft for decoding seq, its slots allocated; [] where there is none or the pool is short (a guess
+        never preempts anyone)."""
+        if self.propose is None or self.static_batching:
+            return []
+        # all of a draft accepted gives one token more: the request's length limit must still hold them
+        room = min(budget, seq.params.max_tokens - seq.num_output_tokens - 1)
+        draft = self.propose(seq, room) if room > 0 else []
+        if draft and not self.bm.allocate_slots(seq, 1 + len(draft)):
+            return []
+        return draft
 
     def finish(self, seq: Sequence) -> None:
         """Mark seq finished (or aborted) and release its blocks at once (static batches: at batch end)."""

@@ -11,6 +11,7 @@ from enum import Enum
 
 import numpy as np
 
+from edgeserve.engine.speculative import DraftState
 from edgeserve.sampling_params import SamplingParams, generator_seed
 
 
@@ -32,6 +33,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the pool
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full, computed blocks
+    draft_state: DraftState = field(default_factory=DraftState)  # its speculative drafting record
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -99,6 +99,12 @@ class ServerMetrics:
                [({}, stats.prefix_query_tokens)])
         metric("edgeserve_preemptions_total", "counter", "Requests preempted when the KV pool ran out.",
                [({}, stats.preemptions)])
+        metric("edgeserve_speculative_draft_tokens_total", "counter",
+               "Tokens speculative decoding guessed, by whether checking accepted them.",
+               [({"result": "accepted"}, stats.accepted_draft_tokens),
+                ({"result": "rejected"}, stats.draft_tokens - stats.accepted_draft_tokens)])
+        metric("edgeserve_speculative_checks_total", "counter", "Decode steps of a request that checked a draft.",
+               [({}, stats.draft_checks)])
         metric("edgeserve_generation_tokens_per_second", "gauge", "Output tokens per second, recent window.",
                [({}, stats.tokens_per_second)])
         return "\n".join(out) + "\n"

@@ -89,6 +89,8 @@ class _GenerationRequest(_Body):
     guided_json: dict[str, Any] | Text | None = None
     guided_regex: Text | None = None
     guided_grammar: Text | None = None
+    # This request's speculative decoding (None: the server's --speculative).
+    speculative: Literal["auto", "ngram", "off"] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -141,6 +143,7 @@ class _GenerationRequest(_Body):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             **constraint,
             grammar_trigger=trigger,
+            speculative=self.speculative,
         )
 
 

@@ -1,0 +1,221 @@
+"""Speculative decoding by prompt lookup: the drafter, its back-off, and drafts checked inside the batched step.
+
+Greedy outputs must be the same with speculation on and off, and sampled ones distributed the same; the tiny
+random model repeats itself enough for prompt lookup to guess right, the real model copies a given text.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency, chisquare
+
+from edgeserve.config import EngineConfig
+from edgeserve.engine.block_manager import blocks_for
+from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.engine.prompts import Prompts
+from edgeserve.engine.sampler import check_guess
+from edgeserve.engine.sequence import Sequence
+from edgeserve.engine.speculative import MAX_PAUSE, Speculator, lookup_draft
+from edgeserve.errors import EdgeserveError
+from edgeserve.sampling_params import InvalidParamsError, SamplingParams
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(model, speculative: str, **kw) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(backend="numpy", speculative=speculative, **{"kv_memory": "64MiB", **kw}))
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    usage = engine.block_manager.usage()
+    assert usage.used == 0 and usage.free + usage.cached == usage.total
+    assert engine.request_ids() == []
+
+
+def check_invariants(engine: LLMEngine) -> None:
+    """After a step: each running decode holds K/V for all its tokens but the last, blocks for no more than its
+    tokens (a rejected guess's blocks went back), and prefix-cache hashes for its full computed blocks only."""
+    bs = engine.block_manager.block_size
+    for seq in engine.scheduler.running:
+        if seq.num_output_tokens and not seq.is_finished:
+            assert seq.num_computed_tokens == seq.num_tokens - 1
+        assert len(seq.block_table) <= blocks_for(seq.num_tokens, bs)
+        if engine.block_manager.enable_prefix_caching:
+            assert len(seq.block_hashes) == seq.num_computed_tokens // bs
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]], abort: str | None = None
+        ) -> dict[str, tuple[list[int], str, str | None]]:
+    """Each request's (tokens, text, finish reason), checking the invariants after every step; abort: a request
+    to abort after its third step."""
+    for rid, (ids, params) in requests.items():
+        engine.add_request(ids, params, rid)
+    got: dict[str, tuple[list[int], str, str | None]] = {rid: ([], "", None) for rid in requests}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens, text, _ = got[out.request_id]
+            got[out.request_id] = (tokens + out.token_ids, text + out.text, out.finish_reason)
+        check_invariants(engine)
+        steps += 1
+        if steps == 3 and abort is not None:
+            got[abort] = (*got[abort][:2], engine.abort(abort).finish_reason)
+    assert_no_leaks(engine)
+    return got
+
+
+def repetitive_prompts(tokenizer, n: int) -> list[list[int]]:
+    text = "The history of the printing press begins in the fifteenth century, when movable type changed Europe."
+    base = tokenizer.encode(text)
+    return [(base[: 15 + 6 * i]) * 2 for i in range(n)]
+
+
+# the drafter --------------------------------------------------------------------------------------------------
+
+def test_lookup_draft_follows_the_most_recent_longest_match():
+    assert lookup_draft([1, 2, 3, 9, 1, 2, 3, 8, 7, 1, 2, 3], k=2) == [8, 7]  # the later of two 3-token matches
+    assert lookup_draft([5, 2, 3, 4, 6, 1, 3, 7, 2, 3], k=3) == [4, 6, 1]  # (2, 3) beats the later (3,)
+    assert lookup_draft([4, 1, 9, 9, 1], k=5) == [9, 9, 1]
+    assert lookup_draft([1, 2, 3, 4], k=4) == []
+    assert lookup_draft([7, 7, 7], k=4) == [7]  # the match may overlap the suffix
+    assert lookup_draft([1, 2, 1, 2], k=0) == [] and lookup_draft([1], k=3) == []
+
+
+def test_auto_backs_off_after_misses_and_grows_after_hits():
+    spec = Speculator("auto", max_draft=8)
+    seq = Sequence("s", [1, 2, 3, 1, 2, 3, 4, 1, 2], SamplingParams())
+    assert spec.propose(seq, 8) == [3, 4, 1, 2]
+    spec.record(seq, 4, 0)
+    assert spec.propose(seq, 8) == []  # paused for a step
+    assert spec.propose(seq, 8) == [3]  # then back, one token at a time
+    spec.record(seq, 1, 0)
+    assert [spec.propose(seq, 8) for _ in range(3)] == [[], [], [3]]  # the second miss in a row: two steps
+    spec.record(seq, 1, 1)
+    assert seq.draft_state.k == 2 and seq.draft_state.misses == 0
+    for _ in range(20):
+        spec.record(seq, 1, 0)
+    assert seq.draft_state.pause == MAX_PAUSE
+    assert (spec.drafted, spec.accepted, spec.verify_steps) == (26, 1, 23)
+    assert Speculator("ngram").propose(seq, 2) == [3, 4]  # ngram never backs off
+
+
+def test_which_requests_speculate():
+    spec = Speculator("off")
+    assert spec.mode_for(Sequence("a", [1], SamplingParams())) == "off"
+    assert spec.mode_for(Sequence("b", [1], SamplingParams(speculative="ngram"))) == "ngram"
+    on = Speculator("auto")
+    assert on.mode_for(Sequence("c", [1], SamplingParams(speculative="off"))) == "off"
+    assert on.mode_for(Sequence("d", [1], SamplingParams(logprobs=2))) == "off"
+    assert on.mode_for(Sequence("e", [1], SamplingParams(regex="[ab]+"))) == "off"
+    with pytest.raises(InvalidParamsError):
+        SamplingParams(speculative="always")
+    with pytest.raises(EdgeserveError):
+        Speculator("draft")
+
+
+# inside the engine, on the tiny model -------------------------------------------------------------------------
+
+def test_greedy_is_unchanged_in_a_batch_and_guesses_are_accepted(tiny_model):
+    prompts = repetitive_prompts(tiny_model.tokenizer, 6)
+    requests = {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts)}
+    off = run(make_engine(tiny_model, "off"), requests)
+    for mode in ("ngram", "auto"):
+        engine = make_engine(tiny_model, mode, max_num_batched_tokens=64)  # drafts compete for the budget
+        assert run(engine, requests) == off
+        st = engine.stats()
+        assert st.accepted_draft_tokens > 0 and st.draft_tokens > st.accepted_draft_tokens  # some right, some not
+    alone = run(make_engine(tiny_model, "ngram"), {"r0": requests["r0"]})
+    assert alone["r0"] == off["r0"]
+
+
+def test_stop_strings_max_tokens_and_penalties_land_as_without_speculation(tiny_model):
+    prompts = repetitive_prompts(tiny_model.tokenizer, 3)
+    plain = run(make_engine(tiny_model, "off"), {"g": (prompts[0], GREEDY)})["g"][1]
+    stop = plain[20:23]
+    requests = {
+        "stop": (prompts[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])),
+        "short": (prompts[1], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)),
+        "penalty": (prompts[2], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                               repetition_penalty=1.3)),
+    }
+    off = run(make_engine(tiny_model, "off"), requests)
+    engine = make_engine(tiny_model, "ngram")
+    assert run(engine, requests) == off
+    assert engine.stats().accepted_draft_tokens > 0
+    assert off["stop"][2] == "stop" and off["stop"][1] == plain[: plain.index(stop)]
+    assert len(off["short"][0]) == 7 and off["short"][2] == "length"
+
+
+def test_preemption_and_aborts_leave_no_blocks_behind(tiny_model):
+    prompts = repetitive_prompts(tiny_model.tokenizer, 4)
+    requests = {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts)}
+    pool = 10 * 16 * 512  # 10 blocks of 16 tokens at 512 bytes a token: too few for all four at once
+    off = run(make_engine(tiny_model, "off", kv_memory=pool, enable_prefix_caching=False), requests)
+    engine = make_engine(tiny_model, "ngram", kv_memory=pool, enable_prefix_caching=False)
+    assert run(engine, requests) == off
+    assert engine.stats().preemptions > 0 and engine.stats().accepted_draft_tokens > 0
+    aborted = run(make_engine(tiny_model, "ngram"), requests, abort="r2")
+    assert aborted["r2"][2] == "abort"
+    assert {k: v for k, v in aborted.items() if k != "r2"} == {k: v for k, v in off.items() if k != "r2"}
+
+
+@pytest.mark.parametrize("guess", [0, 2, 4])
+def test_checking_a_guess_keeps_the_sampling_distribution(guess):
+    """Accepting a guess with its probability, else drawing from the rest, gives each token its probability
+    (a chi-square goodness of fit over many draws), whichever token was guessed."""
+    logits = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.07, 0.03], dtype=np.float32))
+    seq = Sequence("s", [1], SamplingParams(temperature=1.0, top_k=5, seed=3))
+    p = np.array([0.4, 0.25, 0.15, 0.1, 0.07, 0.0]) / 0.97  # top_k=5 drops the last
+    draws = np.bincount([check_guess(logits, seq, guess) for _ in range(20000)], minlength=6)
+    assert draws[5] == 0
+    assert chisquare(draws[:5], 20000 * p[:5]).pvalue > 0.001
+    greedy = Sequence("g", [1], SamplingParams(temperature=0.0))
+    assert check_guess(logits, greedy, 0) == 0 and check_guess(logits, greedy, 2) == 0
+
+
+def test_sampled_tokens_are_distributed_as_without_speculation(tiny_model):
+    """The 2nd to 6th tokens of many seeded requests (rows where guesses are checked): a chi-square test of
+    speculation on against off finds no difference."""
+    prompt = repetitive_prompts(tiny_model.tokenizer, 3)[2]
+    n = 600
+
+    def tokens(mode: str) -> tuple[np.ndarray, LLMEngine]:
+        engine = make_engine(tiny_model, mode, max_num_seqs=n, max_num_batched_tokens=8192)
+        requests = {f"s{i}": (prompt, SamplingParams(max_tokens=6, temperature=0.3, ignore_eos=True, seed=i))
+                    for i in range(n)}
+        got = run(engine, requests)
+        return np.array([got[f"s{i}"][0][1:] for i in range(n)]), engine
+
+    off, _ = tokens("off")
+    on, engine = tokens("ngram")
+    assert engine.stats().accepted_draft_tokens > 60
+    for pos in range(off.shape[1]):
+        ids = np.union1d(off[:, pos], on[:, pos])
+        table = np.array([[np.sum(col == t) for t in ids] for col in (off[:, pos], on[:, pos])])
+        table = table[:, table.sum(axis=0) >= 5]  # chi-square needs expected counts that are not tiny
+        assert chi2_contingency(table).pvalue > 0.001, f"position {pos + 1}"
+
+
+# the real model ------------------------------------------------------------------------------------------------
+
+COPY_TEXT = ("def area(width, height):\n    \"\"\"The area of a rectangle.\"\"\"\n    return width * height\n\n\n"
+             "def perimeter(width, height):\n    return 2 * (width + height)\n")
+
+
+def test_greedy_is_unchanged_on_the_real_model(loaded_model):
+    cases = json.loads((FIXTURES / "smollm2_transformers_reference.json").read_text())["cases"]
+    off_engine = make_engine(loaded_model, "off")
+    copy = Prompts.for_engine(off_engine).chat([{"role": "user", "content": (
+        f"Repeat this code exactly, renaming `height` to `depth`:\n\n{COPY_TEXT}")}])
+    requests = {f"case{i}": (c["prompt_ids"], GREEDY) for i, c in enumerate(cases)}
+    requests["copy"] = (copy, SamplingParams(max_tokens=80, temperature=0.0))
+    off = {rid: run(off_engine, {rid: r})[rid] for rid, r in requests.items()}
+    alone = make_engine(loaded_model, "auto")
+    assert run(alone, {"copy": requests["copy"]})["copy"] == off["copy"]
+    assert alone.stats().accepted_draft_tokens > 10
+    batched = make_engine(loaded_model, "ngram")
+    assert run(batched, requests) == off
+    assert batched.stats().accepted_draft_tokens > 10
