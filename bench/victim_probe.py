@@ -3,13 +3,15 @@
 A victim streams a greedy answer the whole time; each probe runs beside it, and the victim's worst gap between
 tokens during the probe is compared with its normal gap (the median before any probe). The probes:
 
-  stop strings    n=16 with 300,000 short stop strings (refused: at most 16)
-  logprobs        a non-streamed n=16, 64-token answer with 20 logprobs a token (its body built off the loop)
-  big grammars    eight concurrent 15,000-property JSON Schemas (refused: grammar texts are bounded)
+  stop strings    n=16 with 300,000 short stop strings (refused: the body is over 2 MiB; at most 16 anyway)
+  logprobs        a non-streamed n=16, 64-token answer with 20 logprobs a token (its body built and encoded
+                  off the loop)
+  big grammars    eight concurrent 15,000-property JSON Schemas (refused: grammar texts are bounded; each
+                  schema made text once)
   idle sockets    1,100 connections that never send a byte (closed after the idle time; a limit under the
                   open-file limit)
   queue hog       4 prompts x n=64 (refused: one request may run half the queue at most)
-  empty messages  120,000 empty messages (refused before rendering)
+  empty messages  120,000 empty messages (refused: the body is over 2 MiB)
   kept-alive      non-streamed requests on one kept-alive connection (TCP_NODELAY: no ~40 ms delayed-ACK wait)
 
     python bench/victim_probe.py [--json]

@@ -151,7 +151,7 @@ def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None
 
     from edgeserve.engine.async_engine import AsyncEngine
     from edgeserve.server.app import create_app
-    from edgeserve.server.connections import IDLE_TIMEOUT, IdleClosingH11, connection_limit
+    from edgeserve.server.connections import ACCEPT_BACKLOG, IDLE_TIMEOUT, IdleClosingH11, connection_limit
     from edgeserve.server.models import DEFAULT_KEEP_ALIVE, FOREVER, ModelEntry, ModelPool
     from edgeserve.server.shutdown import FLUSH_TIMEOUT, DrainingServer
 
@@ -176,7 +176,7 @@ def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None
     click.echo(f"serving {listed} at http://{address}:{sock.getsockname()[1]}/v1 (Ctrl-C stops)")
     http_config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=FLUSH_TIMEOUT,
                                  http=IdleClosingH11, timeout_keep_alive=IDLE_TIMEOUT,
-                                 limit_concurrency=connection_limit())
+                                 limit_concurrency=connection_limit(), backlog=ACCEPT_BACKLOG)
     try:
         DrainingServer(http_config, app.state.server, shutdown_timeout).run(sockets=[sock])
     finally:

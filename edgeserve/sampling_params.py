@@ -121,6 +121,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.json_schema, dict):  # as text once: the engine asks for `constraint` every step
+            self.json_schema = json.dumps(self.json_schema, ensure_ascii=False)
         self.validate()
 
     @property
@@ -165,8 +167,7 @@ class SamplingParams:
         asks for its reasoning before its answer gets them so), and the grammar cache keys on this text.
         """
         if self.json_schema is not None:
-            schema = self.json_schema
-            return "json_schema", schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
+            return "json_schema", self.json_schema
         if self.regex is not None:
             return "regex", self.regex
         if self.grammar is not None:

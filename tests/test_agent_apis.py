@@ -65,7 +65,7 @@ def test_a_message_body_holds_its_blocks(url: str) -> None:
     use = body["content"][-1]
     assert use["type"] == "tool_use" and use["id"] and use["name"] == "get_weather"
     jsonschema.validate(use["input"], SCHEMA)
-    text = post(url, "/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": ASK}).json()
+    text = post(url, "/v1/messages", {"model": "tiny", "max_tokens": 5, "temperature": 0, "messages": ASK}).json()
     assert text["stop_reason"] == "max_tokens" and text["usage"]["output_tokens"] == 5
     assert post(url, "/v1/messages/count_tokens", {"model": "tiny", "messages": ASK}).json()["input_tokens"] == \
         text["usage"]["input_tokens"]

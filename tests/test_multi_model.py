@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -136,6 +137,25 @@ def test_the_budget_unloads_the_least_recently_used_and_keep_alive_expires(tiny_
         until_unloaded(client, 2)
         bad = http.post(server.url + "/api/chat", json={"model": "tiny-a", "messages": ASK, "keep_alive": "soon"})
         assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
+
+
+def test_a_loaded_model_is_out_of_the_collectors_sight_and_an_unloaded_one_is_freed(tiny_pair) -> None:
+    pool = ModelPool([ModelEntry("tiny-a", load=engine_of(tiny_pair[0]))], 1, FOREVER)
+    server = ServerThread(create_app(pool))
+    try:
+        gc.unfreeze()
+        greedy(server.url, "tiny-a")
+        # a full collection no longer walks the engine's objects, nor any alive when it loaded
+        assert gc.get_freeze_count() > 10_000
+        engine = weakref.ref(pool.loaded[0].model.aengine)
+        assert ollama.Client(host=server.url).generate(model="tiny-a", keep_alive=0).done_reason == "unload"
+        until_unloaded(ollama.Client(host=server.url), 2)
+        assert engine() is None  # thawed to be collected with its cycles, the rest frozen again
+        assert gc.get_freeze_count() > 10_000
+    finally:
+        server.stop()
+        pool.shutdown()
+        gc.unfreeze()
 
 
 def test_a_swap_waits_for_the_stream_in_flight(loaded_model) -> None:

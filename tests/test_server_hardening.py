@@ -16,6 +16,7 @@ import pytest
 from edgeserve.config import EngineConfig
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.server import json_body
 from edgeserve.server.app import DEFAULT_MAX_BODY_SIZE, create_app
 from edgeserve.server.served_model import MAX_CHARS_PER_TOKEN
 from edgeserve.text.tokenizer import Tokenizer
@@ -133,6 +134,32 @@ def test_tokenizing_does_not_block_the_event_loop(server: ServerThread, monkeypa
     took = time.monotonic() - start
     slow.join()
     assert took < 0.6, f"/health waited {took:.1f}s on a tokenizing request"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+])
+def test_a_non_streamed_body_is_built_and_encoded_off_the_event_loop(server: ServerThread,
+                                                                     monkeypatch: pytest.MonkeyPatch, path: str,
+                                                                     body: dict) -> None:
+    encode = json_body._encode
+
+    def slow_encode(build: object) -> bytes:
+        time.sleep(1)  # as n answers' logprobs take
+        return encode(build)
+
+    monkeypatch.setattr(json_body, "_encode", slow_encode)
+    answers: list[httpx.Response] = []
+    slow = threading.Thread(target=lambda: answers.append(http.post(server.url + path, json=body)))
+    slow.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    assert http.get(server.url + "/health").status_code == 200
+    took = time.monotonic() - start
+    slow.join()
+    assert took < 0.4, f"/health waited {took:.1f}s on a body being encoded"
+    assert answers[0].status_code == 200 and answers[0].json()["usage"]["completion_tokens"] == 2
 
 
 # 6: bad input that used to reach the engine as a 500 ---------------------------------------------

@@ -172,7 +172,7 @@ class LLMEngine:
         self.constraints.add(request_id, params)
         room = self.max_model_len - len(ids)
         if params.max_tokens > room:
-            params = SamplingParams(**{**params.__dict__, "max_tokens": room})
+            params = dataclasses.replace(params, max_tokens=room)
         seq = Sequence(request_id, ids, params)
         self.output.add(seq)
         self.scheduler.add(seq)

@@ -141,5 +141,8 @@ def sample(logits: np.ndarray, seqs: list[Sequence]) -> tuple[list[int], dict[in
 def token_logprobs(logits_row: np.ndarray, token: int, top: int) -> dict:
     """The chosen token's log-probability and the `top` most likely alternatives."""
     lp = log_softmax(logits_row.astype(np.float64))
-    top_ids = np.argsort(-lp)[:top] if top else np.array([], dtype=np.int64)
+    top_ids = np.array([], dtype=np.int64)
+    if top:  # the top few out of the vocabulary, then only those sorted: a full argsort a token stalled the batch
+        top_ids = np.argpartition(-lp, top - 1)[:top] if top < lp.size else np.arange(lp.size)
+        top_ids = top_ids[np.argsort(-lp[top_ids], kind="stable")]
     return {"token": token, "logprob": float(lp[token]), "top": [(int(t), float(lp[t])) for t in top_ids]}

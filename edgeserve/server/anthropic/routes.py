@@ -6,7 +6,6 @@ admit it as a Generation, and hands that to `responses` for its events or body.
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
@@ -15,6 +14,7 @@ from edgeserve.sampling_params import InvalidParamsError
 from edgeserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from edgeserve.server.anthropic.responses import MessageResponse, event_stream
 from edgeserve.server.errors import APIError
+from edgeserve.server.json_body import json_answer
 from edgeserve.text.tool_calls import tools_grammar
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class _Anthropic:
         if body.stream:
             return event_stream(response.events())
         await gen.wait(request)
-        return await asyncio.to_thread(response.body)
+        return await json_answer(response.body)
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:
         model, _ = await self.server.model(body.model)

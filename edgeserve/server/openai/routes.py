@@ -6,7 +6,6 @@ admit it as a Generation, and hands that to `responses` for its chunks or body.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from typing import TYPE_CHECKING
 
@@ -15,6 +14,7 @@ from fastapi import APIRouter, Request
 
 from edgeserve.sampling_params import InvalidParamsError, SamplingParams
 from edgeserve.server.errors import APIError
+from edgeserve.server.json_body import json_answer
 from edgeserve.server.openai.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -99,7 +99,7 @@ class _OpenAI:
         if body.stream:
             return event_stream(response.events(body.include_usage))
         await gen.wait(request)
-        return await asyncio.to_thread(response.body)  # n answers' logprobs take seconds to build: not on the loop
+        return await json_answer(response.body)
 
     async def completions(self, body: CompletionRequest, request: Request) -> object:
         server = self.server
@@ -111,7 +111,7 @@ class _OpenAI:
         if body.stream:
             return event_stream(response.events(body.include_usage))
         await gen.wait(request)
-        return await asyncio.to_thread(response.body)
+        return await json_answer(response.body)
 
     async def embeddings(self, body: EmbeddingRequest) -> dict:
         model, name = await self.server.model(body.model)
@@ -167,7 +167,7 @@ class _OpenAI:
         if body.stream:
             return answer.stream()
         await gen.wait(request)
-        return await asyncio.to_thread(answer.body)
+        return await json_answer(answer.body)
 
     async def stored_response(self, response_id: str) -> dict:
         stored = self.stored.get(response_id)
