@@ -243,12 +243,16 @@ def test_a_full_tool_round_trip(client: openai.OpenAI) -> None:
 
 
 
-def test_a_grammar_past_llguidance_s_budgets_fails_rather_than_ending_as_done(client: openai.OpenAI) -> None:
-    """A million-"a" regex is valid but beyond what llguidance follows: the answer must not come back as a finished,
-    empty one."""
-    with pytest.raises(openai.InternalServerError) as failed:
-        client.chat.completions.create(model="model", messages=ASK, max_tokens=5,
-                                       extra_body={"guided_regex": "a{1000000}"})
-    message = failed.value.body["message"] if isinstance(failed.value.body, dict) else str(failed.value)
-    assert "grammar" in message and "lark_grammar" not in message  # why, without llguidance's state dump
+@pytest.mark.parametrize("extra", [
+    {"guided_regex": "a{1000000}"},  # valid, but past the lexer's budget
+    {"guided_json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}},
+])
+def test_a_grammar_past_llguidance_s_budgets_is_a_400_naming_it(client: openai.OpenAI, extra: dict) -> None:
+    """Grammars that validate but that llguidance cannot follow are refused when compiled, naming the parameter
+    and why (without llguidance's state dump), not admitted to fail or end empty as if done."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="model", messages=ASK, max_tokens=5, extra_body=extra)
+    body = refused.value.body
+    assert body["param"] == next(iter(extra)) and "grammar engine" in body["message"]
+    assert "<state>" not in body["message"]
     assert client.chat.completions.create(model="model", messages=ASK, max_tokens=2).choices[0].message.content

@@ -163,7 +163,16 @@ class Constraints:
             raise InvalidParamsError(f"invalid {param}: {error.strip()}", param)
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidParamsError(f"invalid {param}: {matcher.get_error()}", param)
+            raise InvalidParamsError(f"invalid {param}: {_first_line(matcher.get_error())}", param)
+        # llguidance's budgets run out at a mask, which validation does not compute: a schema's $ref cycle at the
+        # first, the lexer's expressions (`a{1000000}`; its copies share them) at the second. Computed here, on
+        # copies, such a grammar is a 400 naming the parameter instead of a request failing once admitted.
+        for _ in range(2):
+            probe = matcher.deep_copy()
+            probe.compute_bitmask()
+            if probe.is_error():
+                raise InvalidParamsError(f"{param} exceeds what the grammar engine can follow: "
+                                         f"{_first_line(probe.get_error())}", param)
         return matcher
 
     def add(self, request_id: str, params: SamplingParams) -> None:
