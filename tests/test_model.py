@@ -227,7 +227,7 @@ def test_a_corpus_of_damaged_files_each_loads_or_fails_in_one_line(model_path, t
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     outcomes = json.loads(done.stdout)
-    assert len(outcomes) >= 40
+    assert len(outcomes) >= 64
     bad = {name: outcome for name, outcome in outcomes.items()
            if outcome != "loaded" and not (outcome.startswith("error: ") and "\n" not in outcome)}
     assert not bad
