@@ -1,6 +1,8 @@
 """Hypothesis-generated requests against a real loopback server of the tiny model: whatever a client
 sends, the answer is never a 5xx, every 4xx carries an OpenAI-style error, and the server goes on
-serving normal requests with no KV blocks left behind.
+serving normal requests with no KV blocks left behind. Besides any body at all, generators of the hostile
+requests the server bounds: stop strings and logprobs past their limits, grammars past llguidance's budgets,
+and connections left silent or half-sent (damaged model files: bench/corrupt_gguf.py and test_model).
 
 Each test runs FUZZ_EXAMPLES examples (10 in the quick loop, 60 in CI); set EDGESERVE_FUZZ_EXAMPLES for a
 longer one, e.g. EDGESERVE_FUZZ_EXAMPLES=5000.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -215,6 +218,92 @@ def test_fuzz_paths_and_methods(url, method, path, query):
     except (httpx.InvalidURL, UnicodeEncodeError):
         return  # a URL no client can send
     check(http.send(request), f"{method} {path}".encode("utf-8", "surrogatepass"))
+
+
+# the hostile requests the reliability work bounded ----------------------------------------------
+
+# stop strings past their limits (16 of 1,000 characters) as often as within them
+stops = (st.lists(st.text(max_size=3), min_size=12, max_size=40)
+         | st.text(min_size=995, max_size=1005).map(lambda t: [t]) | st.lists(words, max_size=4))
+# grammars that validate but that llguidance cannot follow (a 400 when compiled), beside ones it can
+budget_grammars = st.one_of(
+    st.fixed_dictionaries({"guided_json": st.sampled_from([
+        {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},
+        {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+        {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}, "required": ["p0"]},
+        {"type": "array", "items": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}}])}),
+    st.fixed_dictionaries({"guided_regex": st.sampled_from(["(a|b){1,40}c", "[0-9]{1,300}", "((ab)*c)*", "x{0,64}"])}),
+    st.fixed_dictionaries({"guided_grammar": st.integers(1, 3000).map(
+        lambda n: "start: " + " | ".join(f'"w{i}"' for i in range(n)))}))
+
+
+@fuzz
+@given(prompt=words, n=st.integers(1, 8) | st.integers(100, 300), max_tokens=st.integers(1, 6),
+       logprobs=st.integers(-2, 30), stop=stops, stream=st.booleans())
+def test_fuzz_stop_strings_and_logprobs(url, prompt, n, max_tokens, logprobs, stop, stream):
+    post(url, "/v1/completions", {"prompt": prompt, "n": n, "max_tokens": max_tokens, "logprobs": logprobs,
+                                  "stop": stop, "stream": stream})
+
+
+@fuzz
+@given(grammar=budget_grammars, max_tokens=st.integers(1, 6), stream=st.booleans())
+def test_fuzz_grammar_budgets(url, grammar, max_tokens, stream):
+    post(url, "/v1/completions", {"prompt": "x", "max_tokens": max_tokens, "stream": stream, **grammar})
+
+
+@pytest.fixture(scope="module")
+def guarded_url(tiny_model) -> Iterator[str]:
+    """A server with `edgeserve serve`'s connection handling (silent sockets closed, a connection limit)."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from edgeserve.server.connections import IdleClosingH11
+
+    aengine = AsyncEngine(LLMEngine(tiny_model, EngineConfig(backend="numpy", kv_memory=POOL_BYTES)))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(aengine, "tiny"), log_level="warning", http=IdleClosingH11,
+                                           timeout_keep_alive=0.5, limit_concurrency=48))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(10)
+    aengine.shutdown()
+
+
+REQUEST = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+           b"Content-Length: 40\r\n\r\n" + b'{"prompt": "hi", "max_tokens": 2}      ')
+
+
+@fuzz
+@given(held=st.lists(st.integers(0, len(REQUEST) - 1).map(lambda cut: REQUEST[:cut]) | st.binary(max_size=40),
+                     min_size=1, max_size=40))
+def test_fuzz_idle_and_half_sent_connections(guarded_url, held):
+    """Connections that go silent before, inside or after a request's head: while they are held, a new client is
+    answered (or told 503 past the connection limit, never left hanging), and each held one is closed in time."""
+    import socket
+
+    host, port = guarded_url.removeprefix("http://").split(":")
+    sockets = []
+    try:
+        for data in held:
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(data)
+            sockets.append(s)
+        check(http.get(guarded_url + "/health", timeout=5), b"GET /health")
+        deadline = time.monotonic() + 5
+        for s in sockets:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            while s.recv(65536):  # an error answer to garbage may come first; then the close
+                pass
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def test_the_server_still_serves_after_the_fuzz(url):

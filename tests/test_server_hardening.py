@@ -295,8 +295,8 @@ def test_a_user_cannot_forge_a_turn_by_writing_special_tokens(engine: AsyncEngin
 
 
 def test_a_silent_connection_is_closed_and_a_flood_gets_503s_not_a_dead_accept_loop(tiny_model) -> None:
-    """`edgeserve serve`'s connection handling: a socket that never sends is closed after the idle time, and past the
-    connection limit new clients get 503 while the server keeps answering once they go."""
+    """`edgeserve serve`'s connection handling: a socket that never sends, or sends half a request, is closed after
+    the idle time, and past the connection limit new clients get 503 while the server keeps answering once they go."""
     import socket
 
     import uvicorn
@@ -316,11 +316,14 @@ def test_a_silent_connection_is_closed_and_a_flood_gets_503s_not_a_dead_accept_l
     try:
         while not server.started:
             time.sleep(0.02)
-        silent = socket.create_connection(("127.0.0.1", port))
-        silent.settimeout(10)
-        started = time.monotonic()
-        assert silent.recv(1) == b""  # closed by the server, not by the test's timeout
-        assert time.monotonic() - started < 5
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 40\r\n\r\n"
+        for sent in (b"", head[:20], head + b'{"prompt": '):  # nothing, half a head, a head and half a body
+            silent = socket.create_connection(("127.0.0.1", port))
+            silent.sendall(sent)
+            silent.settimeout(10)
+            started = time.monotonic()
+            assert silent.recv(1) == b""  # closed by the server, not by the test's timeout
+            assert time.monotonic() - started < 5
         hoard = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
         try:
             assert http.get(f"http://127.0.0.1:{port}/health").status_code == 503  # over the limit: told so

@@ -165,14 +165,17 @@ class Constraints:
         if matcher.is_error():
             raise InvalidParamsError(f"invalid {param}: {_first_line(matcher.get_error())}", param)
         # llguidance's budgets run out at a mask, which validation does not compute: a schema's $ref cycle at the
-        # first, the lexer's expressions (`a{1000000}`; its copies share them) at the second. Computed here, on
-        # copies, such a grammar is a 400 naming the parameter instead of a request failing once admitted.
-        for _ in range(2):
-            probe = matcher.deep_copy()
+        # first, the lexer's expressions (`a{1000000}`) or a parser row's items (thousands of alternatives that
+        # share a first token) at the next. Walked here on a copy, through one token, such a grammar is a 400
+        # naming the parameter instead of a request failing once admitted.
+        probe = matcher.deep_copy()
+        mask = np.frombuffer(probe.compute_bitmask(), dtype=np.uint8)
+        allowed = np.flatnonzero(np.unpackbits(mask, bitorder="little")[: self.vocab_size])
+        if not probe.is_error() and allowed.size and probe.consume_token(int(allowed[0])):
             probe.compute_bitmask()
-            if probe.is_error():
-                raise InvalidParamsError(f"{param} exceeds what the grammar engine can follow: "
-                                         f"{_first_line(probe.get_error())}", param)
+        if probe.is_error():
+            raise InvalidParamsError(f"{param} exceeds what the grammar engine can follow: "
+                                     f"{_first_line(probe.get_error())}", param)
         return matcher
 
     def add(self, request_id: str, params: SamplingParams) -> None:

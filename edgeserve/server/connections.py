@@ -22,12 +22,39 @@ MAX_OPEN_FILES = 65536
 
 
 class IdleClosingH11(H11Protocol):
-    """uvicorn's h11 protocol, whose keep-alive timer also runs from the moment a connection opens (uvicorn starts it
-    only after a first response, so a silent socket stayed open for ever)."""
+    """uvicorn's h11 protocol, with no way to hold a connection by saying nothing or half a request: its keep-alive
+    timer also runs from the moment a connection opens (uvicorn starts it only after a first response), a request's
+    head must arrive whole within the idle time of its first byte, and its body may not pause longer than that
+    (uvicorn stops the timer at any byte, so a half-sent request held its connection for ever)."""
+
+    _head_started: float | None = None  # loop time of the first byte of a request head not yet whole
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        running = self.cycle is not None and not self.cycle.response_complete
+        if running and not self.cycle.more_body:  # the whole request is in: the app has it
+            self._head_started = None
+            return
+        now = self.loop.time()
+        if running:  # its body is still coming
+            self._head_started = None
+            delay = self.timeout_keep_alive
+        else:
+            if self._head_started is None:
+                self._head_started = now
+            delay = self._head_started + self.timeout_keep_alive - now
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(delay, self._close_unfinished)
+
+    def _close_unfinished(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()  # connection_lost tells a running request's app that its client went
 
 
 def connection_limit() -> int | None:
