@@ -51,8 +51,8 @@ def model_options(run: Callable | None = None, *, ctx_default: str = "the model'
     if generates:
         f = click.option("--speculative", type=click.Choice(SPECULATIVE_MODES), default="off", show_default=True,
                          help="Speculative decoding: ngram guesses the next tokens from the prompt and output so "
-                              "far (prompt lookup) and checks them in one step; auto does so but backs off where "
-                              "guesses miss.")(f)
+                              "far (prompt lookup) and checks them in one step; auto does so only as far as it pays, by "
+                              "the measured acceptance and the measured cost of a checked guess.")(f)
     f = click.option("--ctx-size", "-c", type=click.IntRange(min=16), default=None,
                      help=f"Context length in tokens  [default: {ctx_default}]")(f)
     f = click.option("--threads", "-t", type=click.IntRange(min=1), default=None,

@@ -115,3 +115,22 @@ def test_padding_rows_never_take_the_budget_of_live_sequences():
     for _ in range(3):
         advance(scheduler)
     assert first.is_finished and second.is_finished and not scheduler.has_unfinished()
+
+
+def test_a_proposer_learns_the_steps_rows_and_its_drafts_take_budget():
+    calls = []
+
+    def propose(seq: Sequence, room: int, rows: int, decodes: int) -> list[int]:
+        calls.append((seq.request_id, room, rows, decodes))
+        return [5, 5] if seq.request_id == "a" else []
+
+    scheduler = Scheduler(BlockManager(num_blocks=32, block_size=4), max_num_batched_tokens=16, propose=propose)
+    for name in "abc":
+        scheduler.add(Sequence(name, [1, 2, 3], PARAMS))
+    advance(scheduler)  # the prompts: nobody decodes yet, so nobody is asked
+    assert calls == []
+    step = scheduler.schedule()
+    assert [(item.seq.request_id, item.num_new_tokens, item.draft) for item in step] == [
+        ("a", 3, [5, 5]), ("b", 1, []), ("c", 1, [])]
+    # room: the budget less a row for each decode still due; rows: the step's without the asker's draft
+    assert calls == [("a", 13, 3, 3), ("b", 11, 5, 3), ("c", 11, 5, 3)]

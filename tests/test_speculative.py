@@ -17,7 +17,8 @@ from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.engine.prompts import Prompts
 from edgeserve.engine.sampler import check_guess
 from edgeserve.engine.sequence import Sequence
-from edgeserve.engine.speculative import MAX_PAUSE, Speculator, lookup_draft
+from edgeserve.engine.speculative import (DECAY, EXPLORE_DRAFT, EXPLORE_EVERY, MIN_SAMPLES, Speculator, StepCost,
+                                          lookup_draft)
 from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import InvalidParamsError, SamplingParams
 
@@ -84,22 +85,93 @@ def test_lookup_draft_follows_the_most_recent_longest_match():
     assert lookup_draft([1, 2, 1, 2], k=0) == [] and lookup_draft([1], k=3) == []
 
 
-def test_auto_backs_off_after_misses_and_grows_after_hits():
-    spec = Speculator("auto", max_draft=8)
-    seq = Sequence("s", [1, 2, 3, 1, 2, 3, 4, 1, 2], SamplingParams())
-    assert spec.propose(seq, 8) == [3, 4, 1, 2]
-    spec.record(seq, 4, 0)
-    assert spec.propose(seq, 8) == []  # paused for a step
-    assert spec.propose(seq, 8) == [3]  # then back, one token at a time
-    spec.record(seq, 1, 0)
-    assert [spec.propose(seq, 8) for _ in range(3)] == [[], [], [3]]  # the second miss in a row: two steps
-    spec.record(seq, 1, 1)
-    assert seq.draft_state.k == 2 and seq.draft_state.misses == 0
-    for _ in range(20):
-        spec.record(seq, 1, 0)
-    assert seq.draft_state.pause == MAX_PAUSE
-    assert (spec.drafted, spec.accepted, spec.verify_steps) == (26, 1, 23)
-    assert Speculator("ngram").propose(seq, 2) == [3, 4]  # ngram never backs off
+def trained_cost(step_time, row_counts=range(1, 40)) -> StepCost:
+    """A cost model that saw MIN_SAMPLES steps at each row count, taking step_time(rows) seconds."""
+    cost = StepCost()
+    for _ in range(MIN_SAMPLES):
+        for rows in row_counts:
+            cost.observe(rows, step_time(rows))
+    return cost
+
+
+def history(seq: Sequence, spec: Speculator, drafted: int, accepted: int, checks: int = 10) -> None:
+    for _ in range(checks):
+        spec.record(seq, drafted, accepted)
+
+
+REPEATS = list(range(20)) * 2 + [0, 1, 2]  # prompt lookup finds the 8 tokens after (0, 1, 2): 3..10
+
+
+def test_step_cost_learns_a_line_near_the_rows_asked_about():
+    cost = StepCost()
+    assert cost.line(1, 20) is None
+    for _ in range(MIN_SAMPLES):
+        cost.observe(1, 0.02)
+    assert cost.line(1, 20) is None  # one row count tells nothing of what a row costs
+    rng = np.random.default_rng(0)
+    for rows in rng.integers(1, 20, 200):
+        cost.observe(int(rows), 0.01 + 0.005 * rows + rng.normal(0, 1e-4))
+    cost.observe(500, 100.0)  # a long prefill chunk, far from the rows asked about
+    a, b = cost.line(1, 20)
+    assert a == pytest.approx(0.01, abs=1e-3) and b == pytest.approx(0.005, rel=0.05)
+
+
+def test_auto_drafts_long_where_rows_are_cheap_and_guesses_right():
+    spec = Speculator("auto", cost=trained_cost(lambda rows: 10 + 0.01 * rows))
+    seq = Sequence("s", list(REPEATS), SamplingParams())
+    history(seq, spec, 8, 8)
+    assert spec.propose(seq, 8, rows=1, decodes=1) == list(range(3, 11))
+    assert spec.propose(seq, 8, rows=16, decodes=16) == list(range(3, 11))  # cheap rows: batched too
+    assert spec.propose(seq, 5, rows=1, decodes=1) == list(range(3, 8))  # never past the room it is given
+    assert Speculator("ngram").propose(seq, 2, rows=64, decodes=64) == [3, 4]  # ngram drafts regardless
+
+
+def test_auto_stops_drafting_where_rows_are_expensive():
+    def propose(accepted: int, rows: int) -> list[int]:
+        spec = Speculator("auto", cost=trained_cost(lambda r: 10 + 5 * r))
+        seq = Sequence("s", list(REPEATS), SamplingParams())
+        history(seq, spec, 5, accepted)
+        return spec.propose(seq, 8, rows=rows, decodes=rows)
+
+    assert propose(0, rows=1) == []  # guesses wrong: no draft, even alone
+    assert 1 <= len(propose(4, rows=1)) < 8  # acceptance 0.8 pays alone, a short draft best
+    assert propose(4, rows=16) == []  # but not where the batch already makes each row cost
+    assert len(propose(5, rows=1)) == 8  # all guesses right: all of them
+
+
+def test_auto_tries_a_short_draft_now_and_then():
+    """Where the estimates advise against drafting, "auto" still tries a short draft, one a step at most: every
+    other step while the cost of a row or a sequence's acceptance is unknown, else every EXPLORE_EVERY steps."""
+    spec = Speculator("auto")
+    seqs = [Sequence(f"s{i}", list(REPEATS), SamplingParams()) for i in range(3)]
+
+    def step(rows: int) -> list[int]:
+        drafts = [len(spec.propose(seq, 8, rows=3, decodes=3)) for seq in seqs]
+        spec.observe(rows + sum(drafts), 10 + 5 * (rows + sum(drafts)))
+        return drafts
+
+    drafts = []
+    while spec.cost.line(1, 22) is None:
+        drafts.append(step(3))
+        assert len(drafts) < 4 * MIN_SAMPLES
+    assert all(d == [EXPLORE_DRAFT, 0, 0] for d in drafts[2::2]) and not any(map(any, drafts[1::2]))
+    assert not any(drafts[0])  # not before a step was timed
+    for seq in seqs:
+        history(seq, spec, 5, 0)
+    drafts = [step(3) for _ in range(3 * EXPLORE_EVERY)]
+    tries = [i for i, d in enumerate(drafts) if any(d)]
+    assert len(tries) == 3 and all(sorted(drafts[i]) == [0, 0, EXPLORE_DRAFT] for i in tries)
+    assert np.diff(tries).tolist() == [EXPLORE_EVERY, EXPLORE_EVERY]
+    # acceptance is learned from the checks, the first rejected guess a miss and those after it not judged
+    seq = Sequence("t", [1], SamplingParams())
+    spec.record(seq, 4, 2)
+    assert seq.draft_state.acceptance == pytest.approx(3 / 5)
+    spec.propose(seq, 8, rows=3, decodes=3)  # nothing to look up: the record stays
+    assert seq.draft_state.acceptance == pytest.approx(3 / 5)
+    seq.token_ids = list(REPEATS)
+    spec.propose(seq, 8, rows=3, decodes=3)  # the record fades
+    assert seq.draft_state.acceptance == pytest.approx((2 * DECAY + 1) / (3 * DECAY + 2))
+    assert (seq.draft_state.drafted, seq.draft_state.accepted, seq.draft_state.checks) == (4, 2, 1)
 
 
 def test_which_requests_speculate():
@@ -214,6 +286,7 @@ def test_greedy_is_unchanged_on_the_real_model(loaded_model):
     requests["copy"] = (copy, SamplingParams(max_tokens=80, temperature=0.0))
     off = {rid: run(off_engine, {rid: r})[rid] for rid, r in requests.items()}
     alone = make_engine(loaded_model, "auto")
+    alone.speculator.cost = trained_cost(lambda rows: 0.01 + 1e-6 * rows)  # as on a GPU: not this CPU's timing
     assert run(alone, {"copy": requests["copy"]})["copy"] == off["copy"]
     assert alone.stats().accepted_draft_tokens > 10
     batched = make_engine(loaded_model, "ngram")

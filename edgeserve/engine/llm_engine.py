@@ -204,7 +204,10 @@ class LLMEngine:
         sampling = [item for item in scheduled if item.samples]
         plain = [item.seq for item in sampling if not item.draft]
         masks = self.constraints.start_masks(plain)  # computed while the model runs
+        start = time.perf_counter()
         logits = self._run(scheduled)
+        # what a step of so many rows costs on this machine decides how long drafts pay
+        self.speculator.observe(sum(item.num_new_tokens for item in scheduled), time.perf_counter() - start)
         # each sampling item's first row of logits; one checking a draft has 1 + len(draft) rows
         first_rows = np.cumsum([0] + [1 + len(item.draft) for item in sampling])[:-1]
         plain_logits = logits[[r for item, r in zip(sampling, first_rows) if not item.draft]]

@@ -39,8 +39,9 @@ class ScheduledSeq:
                 and self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft) == self.seq.num_tokens)
 
 
-# (sequence, most tokens) -> a draft of its next tokens to check in its decode step, or []
-Proposer = Callable[[Sequence, int], list[int]]
+# (sequence, most tokens, the step's query rows without this draft, the sequences decoding in the step) -> a draft
+# of its next tokens to check in its decode step, or []
+Proposer = Callable[[Sequence, int, int, int], list[int]]
 
 
 class Scheduler:
@@ -80,7 +81,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         preempted = False
-        decodes_left = sum(1 for s in self.running if not s.is_finished and not s.is_prefilling)
+        decodes = decodes_left = sum(1 for s in self.running if not s.is_finished and not s.is_prefilling)
         # decodes before prefill chunks, first come first served among each; a static batch's padding rows
         # last, so they never take the budget its unfinished sequences need
         for seq in sorted(self.running, key=lambda s: (s.is_finished, s.is_prefilling)):
@@ -94,8 +95,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not seq.is_prefilling:
                 decodes_left -= 1
-            # a draft takes only budget no later decode needs
-            if not seq.is_prefilling and (draft := self._draft(seq, budget - 1 - decodes_left)):
+            if not seq.is_prefilling and (draft := self._draft(seq, budget, decodes_left, decodes)):
                 out.append(ScheduledSeq(seq, 1 + len(draft), draft=draft))
                 budget -= 1 + len(draft)
                 continue
@@ -133,14 +133,17 @@ class Scheduler:
             budget -= n
         return out
 
-    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+    def _draft(self, seq: Sequence, budget: int, decodes_left: int, decodes: int) -> list[int]:
         """A draft for decoding seq, its slots allocated; [] where there is none or the pool is short (a guess
-        never preempts anyone)."""
+        never preempts anyone). budget: the step's tokens left; decodes_left: decodes to schedule after seq."""
         if self.propose is None or self.static_batching:
             return []
-        # all of a draft accepted gives one token more: the request's length limit must still hold them
-        room = min(budget, seq.params.max_tokens - seq.num_output_tokens - 1)
-        draft = self.propose(seq, room) if room > 0 else []
+        # all of a draft accepted gives one token more: the request's length limit must still hold them; and a
+        # draft takes only budget no later decode needs
+        room = min(budget - 1 - decodes_left, seq.params.max_tokens - seq.num_output_tokens - 1)
+        # the rows the step will run without this draft: those scheduled, seq's, and the decodes after it
+        rows = self.max_num_batched_tokens - budget + 1 + decodes_left
+        draft = self.propose(seq, room, rows, decodes) if room > 0 else []
         if draft and not self.bm.allocate_slots(seq, 1 + len(draft)):
             return []
         return draft

@@ -1,17 +1,21 @@
-"""Speculative decoding's drafting side: guessing a sequence's next tokens, and backing off where guesses miss.
+"""Speculative decoding's drafting side: guessing a sequence's next tokens, and drafting only where it pays.
 
 Prompt lookup (n-gram) drafting needs no second model: the last n tokens of a sequence are looked up in its
 prompt and output so far, and the tokens that followed their most recent earlier occurrence are the draft.
-A decode step then checks the draft in one pass (see LLMEngine), which costs about what one token does
-while decoding is bound by reading the weights.
+A decode step then checks the draft in one pass (see LLMEngine): each guess is one more query row.
 
-Modes: "off"; "ngram" drafts whenever a match is found; "auto" drafts the same way but, per sequence,
-shortens its drafts when they are rejected and pauses drafting (for longer each time) after misses, so
-open-ended text that rarely repeats its input costs little.
+What a row costs depends on the machine and the batch: while a step is bound by reading the weights (one
+stream on a CPU, most batches on a GPU) extra rows are nearly free; a CPU step of a 1B model is compute-bound
+from about two rows on, where each row costs about half a one-row step. So "auto" measures it: StepCost fits
+a step's time against its rows as the engine runs, and each draft is as long as maximizes the step's expected
+tokens per second, given the sequence's measured acceptance (0 tokens, no draft, where none pays).
+
+Modes: "off"; "ngram" drafts whenever a match is found, as long as it may; "auto" as above.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +30,12 @@ if TYPE_CHECKING:
 MAX_DRAFT = 8  # tokens one draft may hold
 NGRAM_MAX = 3  # longest suffix looked up first
 NGRAM_MIN = 1
-MAX_PAUSE = 64  # most decode steps an "auto" sequence waits after a run of misses
+COST_WINDOW = 256  # recent steps the cost of a row is fit over
+MIN_SAMPLES = 3  # steps at each of two row counts before the fit is trusted
+EXPLORE_DRAFT = 2  # longest draft "auto" tries while the cost or a sequence's acceptance is not yet known
+EXPLORE_EVERY = 64  # steps between tries of a draft the estimates say does not pay, so they can change their mind
+FIRST_CHECKS = 2  # drafts each sequence may try before its acceptance is trusted
+DECAY = 0.9  # weight a sequence's acceptance record keeps at each of its steps with a draft to propose
 
 
 def check_mode(mode: str) -> str:
@@ -52,26 +61,70 @@ def lookup_draft(tokens: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int =
     return []
 
 
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a step gives a sequence checking a draft of k guesses, each right with probability alpha (the first
+    wrong one ends the run; its row, or the last, still samples one token): 1 + alpha + ... + alpha^k."""
+    return float(sum(alpha**i for i in range(k + 1)))
+
+
+class StepCost:
+    """A step's time as a line in its query rows, t = a + b * rows, fit by least squares over the recent steps
+    whose rows lie near the row counts asked about (a long prefill chunk runs in another regime)."""
+
+    def __init__(self, window: int = COST_WINDOW):
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._fits: dict[tuple[int, int], tuple[float, float] | None] = {}  # this step's, by row range
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self._samples.append((rows, seconds))
+        self._fits.clear()
+
+    def line(self, lo: int, hi: int) -> tuple[float, float] | None:
+        """(a, b) fit over steps of lo..hi rows; None until two row counts there were seen MIN_SAMPLES times."""
+        key = (lo, hi)
+        if key not in self._fits:
+            self._fits[key] = self._fit(lo, hi)
+        return self._fits[key]
+
+    def _fit(self, lo: int, hi: int) -> tuple[float, float] | None:
+        near = np.array([s for s in self._samples if lo <= s[0] <= hi], dtype=np.float64).reshape(-1, 2)
+        counts = np.unique(near[:, 0], return_counts=True)[1]
+        if np.sum(counts >= MIN_SAMPLES) < 2:
+            return None
+        rows, t = near[:, 0], near[:, 1]
+        # noise can tilt the line down: rows are then taken as free, which drafting tests again soon enough
+        b = max(0.0, float(np.cov(rows, t, bias=True)[0, 1] / np.var(rows)))
+        return float(t.mean() - b * rows.mean()), b
+
+
 @dataclass
 class DraftState:
-    """One sequence's drafting record, for the back-off of "auto" and the engine's counts."""
+    """One sequence's drafting record: its acceptance, decayed (see DECAY), and the engine's counts."""
 
-    k: int = MAX_DRAFT  # the longest draft it gets next
-    pause: int = 0  # decode steps left before it drafts again
-    misses: int = 0  # drafts in a row with nothing accepted
+    hits: float = 0.0  # guesses accepted
+    misses: float = 0.0  # guesses rejected (at most one a check: the rest of that draft was never judged)
+    checks: int = 0
     drafted: int = 0
     accepted: int = 0
 
+    @property
+    def acceptance(self) -> float:
+        """The chance its next guess is right, were each guess right independently (a prior of one hit and one
+        miss, which old evidence fades back to: text that stopped repeating its input may start again)."""
+        return (self.hits + 1) / (self.hits + self.misses + 2)
+
 
 class Speculator:
-    """Which sequences speculate, with which drafts, and what their acceptance teaches the next draft."""
+    """Which sequences speculate, with which drafts, and what their acceptance and the steps' times teach."""
 
-    def __init__(self, mode: str = "off", max_draft: int = MAX_DRAFT):
+    def __init__(self, mode: str = "off", max_draft: int = MAX_DRAFT, cost: StepCost | None = None):
         self.mode = check_mode(mode)
         self.max_draft = max_draft
+        self.cost = cost or StepCost()
         self.drafted = 0  # every sequence's draft tokens so far
         self.accepted = 0
         self.verify_steps = 0  # sequence-steps that checked a draft
+        self._since_try = 0  # steps since "auto" last tried a draft its estimates advised against
 
     def mode_for(self, seq: Sequence) -> str:
         """The request's own mode where it gave one, else the engine's; constrained requests and those asking
@@ -81,34 +134,53 @@ class Speculator:
             return "off"
         return p.speculative or self.mode
 
-    def propose(self, seq: Sequence, room: int) -> list[int]:
+    def propose(self, seq: Sequence, room: int, rows: int, decodes: int) -> list[int]:
         """A draft for seq's next decode step, of at most room tokens (the step's budget and the request's
-        remaining length allowing); [] where it should decode one token as usual."""
+        remaining length allowing); [] where it should decode one token as usual. rows: the step's query rows
+        without this draft (seq's own one counted); decodes: the sequences decoding in it."""
         mode = self.mode_for(seq)
         if mode == "off":
             return []
+        draft = lookup_draft(seq.token_ids, min(room, self.max_draft))
+        if mode == "ngram" or not draft:
+            return draft
         state = seq.draft_state
-        if mode == "auto" and state.pause > 0:
-            state.pause -= 1
-            return []
-        k = min(room, self.max_draft, state.k if mode == "auto" else self.max_draft)
-        return lookup_draft(seq.token_ids, k)
+        state.hits, state.misses = state.hits * DECAY, state.misses * DECAY
+        lo, hi = max(1, rows // 2), 2 * (rows + self.max_draft)
+        line = self.cost.line(lo, hi)
+        k = 0 if line is None else best_draft(state.acceptance, len(draft), rows, decodes, line)
+        # an estimate that never drafts could never learn otherwise: now and then, one short draft in a step
+        # (while an estimate is missing, every other step, so the steps without it are timed too)
+        due = EXPLORE_EVERY if line is not None and state.checks >= FIRST_CHECKS else 2
+        if k == 0 and self._since_try >= due:
+            self._since_try = 0
+            k = min(EXPLORE_DRAFT, len(draft))
+        return draft[:k]
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """Record a step's model time and its query rows."""
+        self.cost.observe(rows, seconds)
+        self._since_try += 1
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """Count a checked draft; under "auto", grow the next draft after a full hit, shrink it to what was
-        accepted plus one after a partial one, and pause after a miss (twice as long for each miss in a row)."""
+        """Count a checked draft: accepted guesses are hits, the first rejected one (if any) a miss."""
         state = seq.draft_state
+        state.hits += accepted
+        state.misses += accepted < drafted
+        state.checks += 1
         state.drafted += drafted
         state.accepted += accepted
         self.drafted += drafted
         self.accepted += accepted
         self.verify_steps += 1
-        if accepted == drafted:
-            state.k = min(self.max_draft, state.k * 2)
-        else:
-            state.k = max(1, accepted + 1)
-        if accepted:
-            state.misses = 0
-        else:
-            state.misses += 1
-            state.pause = min(MAX_PAUSE, 2 ** (state.misses - 1))
+
+
+def best_draft(alpha: float, most: int, rows: int, decodes: int, line: tuple[float, float]) -> int:
+    """The draft length, 0..most, that maximizes the step's expected tokens per second under the cost line.
+
+    The step without this draft is taken to give one token per decoding sequence in rows rows: drafts chosen
+    earlier in the step count in its rows but not in its tokens, and prefill chunks scheduled after the decodes
+    in neither, which both err toward drafting a little more than pays."""
+    a, b = line
+    rates = [(decodes - 1 + expected_tokens(alpha, k)) / max(a + b * (rows + k), 1e-12) for k in range(most + 1)]
+    return int(np.argmax(rates))
