@@ -517,10 +517,13 @@ static int run_attention(AttTask *t, const int64_t *lens, int D) {
         return -1;
     size_t n = 0;
     int slot = 0;
-    for (int s = 0; s < D; s++) {
-        int len = (int)lens[s], first = (int)att_first(t, lens[s]), ns = (int)((len - first + split - 1) / split);
-        if (len == 0) memset(t->out + (size_t)s * t->H * t->hd, 0, sizeof(float) * t->H * t->hd);
-        for (int kv = 0; kv < t->n_kv; kv++)
+    for (int s = 0; s < D; s++)
+        if (lens[s] == 0) memset(t->out + (size_t)s * t->H * t->hd, 0, sizeof(float) * t->H * t->hd);
+    /* KV head first, then rows: a prompt's rows read the same keys, so one head's K/V (256 keys: 128 KiB at
+       head_dim 64) stays in L2 from row to row (a 512-token prefill's attention ran ~5% faster than row first) */
+    for (int kv = 0; kv < t->n_kv; kv++)
+        for (int s = 0; s < D; s++) {
+            int len = (int)lens[s], first = (int)att_first(t, lens[s]), ns = (int)((len - first + split - 1) / split);
             for (int h = 0; h < group; h += sub)
                 for (int k = 0; k < ns; k++) {
                     AttItem *it = &g_items[n++];
@@ -532,7 +535,7 @@ static int run_attention(AttTask *t, const int64_t *lens, int D) {
                     it->t1 = (int)(first + (k + 1) * split < len ? first + (k + 1) * split : len);
                     it->slot = ns > 1 ? slot++ : -1;
                 }
-    }
+        }
     t->items = g_items;
     t->part = g_part;
     qm_item_fn fn = att_item_generic;
