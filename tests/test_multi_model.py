@@ -239,7 +239,7 @@ def test_ollama_bodies_read_as_json_whatever_their_content_type(tiny_pair) -> No
     """`curl -d '{...}'`, as Ollama's docs write requests, labels the body a form."""
     with pool_server([ModelEntry("tiny-a", load=engine_of(tiny_pair[0]))], max_loaded=1) as server:
         answer = http.post(server.url + "/api/generate", content=b'{"model": "tiny-a", "prompt": "hi", "stream": false,'
-                                                                 b' "options": {"num_predict": 3}}',
+                                                                 b' "options": {"num_predict": 3, "temperature": 0}}',
                            headers={"content-type": "application/x-www-form-urlencoded"})
         assert answer.status_code == 200 and answer.json()["eval_count"] == 3
 
