@@ -46,21 +46,31 @@ def _integer_form(w: QuantizedTensor | KQuantTensor) -> tuple[np.ndarray, np.nda
     return p.q, scale, bias, w.group_size
 
 
-def int8_reference(x: np.ndarray, w: QuantizedTensor | KQuantTensor) -> tuple[np.ndarray, np.ndarray]:
+def super_block_activations(isa: str, w: QuantizedTensor | KQuantTensor, rows: int) -> bool:
+    """Whether the kernels scale this product's activations per super-block of 256 (the AVX2 batch
+    path of K-quants) rather than per weight group."""
+    return isa != "generic" and rows >= 4 and isinstance(w, KQuantTensor)
+
+
+def int8_reference(x: np.ndarray, w: QuantizedTensor | KQuantTensor,
+                   super_block: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """x @ W.T as the int8 kernels compute it, and a bound on its float rounding.
 
     Each group of x becomes int8 q_x = rint(x * (127 / max|x|)) in float32, with d_x = max|x| / 127;
-    a group adds scale * d_x * sum(q * q_x) (an exact integer dot) + bias * sum(x)."""
+    a group adds scale * d_x * sum(q * q_x) (an exact integer dot) + bias * sum(x). With `super_block`
+    the max and d_x are a super-block's (256 values) and sum(x) is d_x * sum(q_x)."""
     q, scale, bias, group = _integer_form(w)
     r, k = x.shape
-    xg = x.reshape(r, -1, group)
-    amax = np.abs(xg).max(axis=2)
+    span = 256 if super_block else group
+    xs = x.reshape(r, -1, span)
+    amax = np.abs(xs).max(axis=2)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
-    xq = np.rint(xg * inv[:, :, None]).astype(np.int64)
+    xq = np.rint(xs * inv[:, :, None]).astype(np.int64).reshape(r, -1, group)
     dots = np.einsum("rgk,ngk->rng", xq, q.reshape(len(q), -1, group).astype(np.int64))
-    dx = (amax / np.float32(127)).astype(np.float64)
-    terms = scale.astype(np.float64)[None] * dx[:, None] * dots + bias.astype(np.float64)[None] * \
-        xg.sum(axis=2, dtype=np.float64)[:, None]
+    dx = np.repeat((amax / np.float32(127)).astype(np.float64), span // group, axis=1)
+    xg = x.reshape(r, -1, group)
+    sums = dx * xq.sum(axis=2) if super_block else xg.sum(axis=2, dtype=np.float64)
+    terms = scale.astype(np.float64)[None] * dx[:, None] * dots + bias.astype(np.float64)[None] * sums[:, None]
     # float32 rounding: a few roundings per group's term, the running sum over groups, and sum(x)
     # summed in float32 over the group
     eps = 2.0**-23
@@ -70,9 +80,9 @@ def int8_reference(x: np.ndarray, w: QuantizedTensor | KQuantTensor) -> tuple[np
     return terms.sum(axis=2), slack
 
 
-def _check(x: np.ndarray, w: QuantizedTensor | KQuantTensor, m: qm.QMatrix) -> None:
+def _check(x: np.ndarray, w: QuantizedTensor | KQuantTensor, m: qm.QMatrix, isa: str = "generic") -> None:
     got = qm.qmatmul(x, m)
-    ref, slack = int8_reference(x, w)
+    ref, slack = int8_reference(x, w, super_block_activations(isa, w, len(x)))
     bad = np.abs(got - ref) > slack
     assert not bad.any(), f"{bad.sum()} of {bad.size} outputs off, worst {np.abs(got - ref).max():.3g}"
 
@@ -101,7 +111,7 @@ def test_k_quants(int8_isa, qtype):
     w = random_kquant(rng, qtype, 37, 512)
     m = qm.prepare([w])
     for rows in ROWS:
-        _check(rng.standard_normal((rows, 512)).astype(np.float32), w, m)
+        _check(rng.standard_normal((rows, 512)).astype(np.float32), w, m, int8_isa)
 
 
 @pytest.mark.parametrize("n, k, group", [(1, 32, 32), (15, 96, 32), (17, 160, 32), (33, 64, 64), (200, 96, 32)])

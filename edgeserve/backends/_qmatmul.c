@@ -65,6 +65,7 @@ typedef struct Task {
     const uint32_t *hw;      /* high-bit plane, or NULL */
     const int8_t *ksc, *km;  /* K-quant group scales and mins, or NULL */
     int hbits, kq;
+    int sb;             /* activations scaled per super-block of 256 (xd [R, K / 256]), see avx2_tile_sb */
     int panels, chunk, row_tiles, items;
     void (*kernel)(const struct Task *, int p0, int p1, int r0, int r1);
 } Task;
@@ -742,10 +743,178 @@ static AVX2_TARGET __attribute__((noinline)) void avx2_panel4_q8(const Task *t, 
     avx2_panel4(t, p, r0, r1, 8, 0, 32);
 }
 
+/* Group g's int8 values v [panels, K / group, 16] of half h as int16 pairs: (v[g], v[g]) per int32 lane,
+   or with `next` (v[g], v[g + 1]). */
+static inline AVX2_TARGET __attribute__((always_inline)) __m256i
+int16_pairs(const int8_t *v, size_t at, int next) {
+    const __m128i a = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(v + at)));
+    const __m128i b = next ? _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(v + at + PANEL))) : a;
+    return _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
+}
+
+/* Half h of super-block sbk for rows r0..r0+RB-1: facc[r] += d * d_x * acc[r] + dmin * d_x * sum(m * x),
+   the mins' sums from the integer activation sums of the groups, two groups a vpmaddwd. */
+static inline AVX2_TARGET __attribute__((always_inline)) void
+avx2_super_block_end(const Task *t, int p, int h, int sbk, int r0, const __m256i *acc, __m256 *facc, const int RB,
+                     const int G) {
+    const int ng = t->K / G, nsb = t->K / 256;
+    const size_t dofs = ((size_t)p * nsb + sbk) * PANEL + 8 * h;
+    __m256 dd, dm;
+    if (t->f16) {
+        dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->scales + dofs)));
+        dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->biases + dofs)));
+    } else {
+        dd = _mm256_loadu_ps((const float *)t->scales + dofs);
+        dm = _mm256_loadu_ps((const float *)t->biases + dofs);
+    }
+    __m256i mins[8];
+    for (int r = 0; r < RB; r++) mins[r] = _mm256_setzero_si256();
+    for (int g = sbk * (256 / G); g < (sbk + 1) * (256 / G); g += 2) {
+        const __m256i m = int16_pairs(t->km, ((size_t)p * ng + g) * PANEL + 8 * h, 1);
+        for (int r = 0; r < RB; r++) {
+            const int32_t *xi = t->xi + (size_t)(r0 + r) * ng + g;
+            const __m256i pair = _mm256_set1_epi32((int32_t)(((uint32_t)xi[1] << 16) | ((uint32_t)xi[0] & 0xffff)));
+            mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(m, pair));
+        }
+    }
+    for (int r = 0; r < RB; r++) {
+        const __m256 xd = _mm256_set1_ps(t->xd[(size_t)(r0 + r) * nsb + sbk]);
+        const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_mul_ps(dd, xd), facc[r]);
+        facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(dm, xd), f);
+    }
+}
+
+/* Rows r0..r0+RB-1 of panel p for the K-quants' batch path with super-block activations (one int8
+   scale per 256 values of a row, as llama.cpp's Q8_K), Q4_K (HB 0) and Q5_K (HB 1), groups of 32: a
+   group's int16 sums are weighted by its int8 scales in the vpmaddwd that widens them (in place of
+   ones), after four words (4 bits) or two (5 bits: four words' sums could overflow int16), and summed
+   in int32 over the super-block; the mins' term comes from the groups' integer activation sums, and
+   the floats are touched once a super-block instead of once a group.
+   |sum| < 8 groups * 32 * 31 * 127 * 63 < 2^31. */
+static inline AVX2_TARGET __attribute__((always_inline)) void
+avx2_tile_sb(const Task *t, int p, int r0, const int RB, const int HB) {
+    const int K = t->K, G = 32, ng = K / G, nsb = K / 256, FL = HB ? 2 : 4;
+    const uint32_t *wp = t->w + (size_t)p * (K / 8) * PANEL;
+    const uint32_t *hp = HB ? t->hw + (size_t)p * (K / 32) * PANEL : NULL;
+    const int8_t *x = t->x8 + (size_t)r0 * K;
+    __m256 facc[2][4];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < RB; r++) facc[h][r] = _mm256_setzero_ps();
+    for (int sbk = 0; sbk < nsb; sbk++) {
+        __m256i acc[2][4];
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < RB; r++) acc[h][r] = _mm256_setzero_si256();
+        for (int g = sbk * 8; g < sbk * 8 + 8; g++) {
+            const uint32_t *wg = wp + (size_t)g * 4 * PANEL;
+            __m256i hw[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, sc[2], sum[2][4];
+            for (int h = 0; h < 2; h++) {
+                sc[h] = int16_pairs(t->ksc, ((size_t)p * ng + g) * PANEL + 8 * h, 0);
+                if (HB) hw[h] = _mm256_loadu_si256((const __m256i *)(hp + (size_t)g * PANEL + 8 * h));
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                __m256i lo[2], hi[2];
+                for (int h = 0; h < 2; h++)
+                    avx2_nibbles(_mm256_loadu_si256((const __m256i *)(wg + j * PANEL + 8 * h)), hw[h], j, HB, &lo[h], &hi[h]);
+#pragma GCC unroll 4
+                for (int r = 0; r < RB; r++) {
+                    const int8_t *xr = x + (size_t)r * K + g * G + 8 * j;
+                    const __m256i b0 = bcast32(xr), b1 = bcast32(xr + 4);
+#pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++) {
+                        __m256i d = _mm256_maddubs_epi16(lo[h], b0);
+                        if (j % FL) d = _mm256_add_epi16(sum[h][r], d);
+                        sum[h][r] = _mm256_add_epi16(d, _mm256_maddubs_epi16(hi[h], b1));
+                        if (j % FL == FL - 1) acc[h][r] = _mm256_add_epi32(acc[h][r], _mm256_madd_epi16(sum[h][r], sc[h]));
+                    }
+                    __asm__("" : "+x"(sum[0][r]), "+x"(sum[1][r]));
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) avx2_super_block_end(t, p, h, sbk, r0, acc[h], facc[h], RB, G);
+    }
+    for (int h = 0; h < 2; h++) avx2_store_half(t, p, h, r0, facc[h], RB);
+}
+
+/* Q6_K's super-block tile (as avx2_tile_sb): eight rows by one half of the panel, so each 6-bit
+   unpack (15 vector ops a word) serves eight rows; the half's super-block of weights is still in L1
+   when the other half reads it. The integer dots go to int32 every word (two words' int16 sums could
+   overflow), weighted by the group's scale in the same vpmaddwd. |sum| < 16 * 16 * 63 * 127 * 128. */
+static inline AVX2_TARGET __attribute__((always_inline)) void
+avx2_tile_sb6(const Task *t, int p, int r0, const int RB) {
+    const int K = t->K, G = 16, ng = K / G, nsb = K / 256;
+    const uint32_t *wp = t->w + (size_t)p * (K / 8) * PANEL, *hp = t->hw + (size_t)p * (K / 16) * PANEL;
+    const int8_t *x = t->x8 + (size_t)r0 * K;
+    __m256 facc[2][8];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < RB; r++) facc[h][r] = _mm256_setzero_ps();
+    for (int sbk = 0; sbk < nsb; sbk++) {
+        for (int h = 0; h < 2; h++) {
+            __m256i acc[8];
+            for (int r = 0; r < RB; r++) acc[r] = _mm256_setzero_si256();
+            for (int g = sbk * 16; g < sbk * 16 + 16; g++) {
+                const __m256i sc = int16_pairs(t->ksc, ((size_t)p * ng + g) * PANEL + 8 * h, 0);
+                const __m256i hw = _mm256_loadu_si256((const __m256i *)(hp + (size_t)g * PANEL + 8 * h));
+#pragma GCC unroll 2
+                for (int j = 0; j < 2; j++) {
+                    __m256i lo, hi;
+                    avx2_nibbles(_mm256_loadu_si256((const __m256i *)(wp + (size_t)(2 * g + j) * PANEL + 8 * h)), hw, j, 2,
+                                 &lo, &hi);
+#pragma GCC unroll 8
+                    for (int r = 0; r < RB; r++) {
+                        const int8_t *xr = x + (size_t)r * K + g * G + 8 * j;
+                        const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast32(xr)),
+                                                           _mm256_maddubs_epi16(hi, bcast32(xr + 4)));
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(d, sc));
+                    }
+                }
+            }
+            avx2_super_block_end(t, p, h, sbk, r0, acc, facc[h], RB, G);
+        }
+    }
+    for (int h = 0; h < 2; h++) avx2_store_half(t, p, h, r0, facc[h], RB);
+}
+
+static inline AVX2_TARGET __attribute__((always_inline)) void
+avx2_panel_sb(const Task *t, int p, int r0, int r1, const int HB) {
+    int r = r0;
+    for (; r + 4 <= r1; r += 4) avx2_tile_sb(t, p, r, 4, HB);
+    switch (r1 - r) {
+    case 3: avx2_tile_sb(t, p, r, 3, HB); break;
+    case 2: avx2_tile_sb(t, p, r, 2, HB); break;
+    case 1: avx2_tile_sb(t, p, r, 1, HB); break;
+    default: break;
+    }
+}
+
+static AVX2_TARGET __attribute__((noinline)) void avx2_panel_sb_q4k(const Task *t, int p, int r0, int r1) {
+    avx2_panel_sb(t, p, r0, r1, 0);
+}
+static AVX2_TARGET __attribute__((noinline)) void avx2_panel_sb_q5k(const Task *t, int p, int r0, int r1) {
+    avx2_panel_sb(t, p, r0, r1, 1);
+}
+static AVX2_TARGET __attribute__((noinline)) void avx2_panel_sb_q6k(const Task *t, int p, int r0, int r1) {
+    int r = r0;
+    for (; r + 8 <= r1; r += 8) avx2_tile_sb6(t, p, r, 8);
+    switch (r1 - r) {
+    case 7: avx2_tile_sb6(t, p, r, 7); break;
+    case 6: avx2_tile_sb6(t, p, r, 6); break;
+    case 5: avx2_tile_sb6(t, p, r, 5); break;
+    case 4: avx2_tile_sb6(t, p, r, 4); break;
+    case 3: avx2_tile_sb6(t, p, r, 3); break;
+    case 2: avx2_tile_sb6(t, p, r, 2); break;
+    case 1: avx2_tile_sb6(t, p, r, 1); break;
+    default: break;
+    }
+}
+
 static AVX2_TARGET void kernel_avx2_8(const Task *t, int p0, int p1, int r0, int r1) {
     const int G = t->group, many = r1 - r0 >= 4;
     for (int p = p0; p < p1; p++) {
-        if (many && t->bits == 4 && !t->hbits && G == 32) avx2_panel4_q4(t, p, r0, r1);
+        if (t->sb && t->hbits == 2) avx2_panel_sb_q6k(t, p, r0, r1);
+        else if (t->sb && t->hbits == 1) avx2_panel_sb_q5k(t, p, r0, r1);
+        else if (t->sb) avx2_panel_sb_q4k(t, p, r0, r1);
+        else if (many && t->bits == 4 && !t->hbits && G == 32) avx2_panel4_q4(t, p, r0, r1);
         else if (many && t->bits == 4 && t->hbits == 2 && G == 16) avx2_panel4_q6k(t, p, r0, r1);
         else if (many && t->bits == 8 && G == 32) avx2_panel4_q8(t, p, r0, r1);
         else if (t->bits == 8) avx2_panel8(t, p, r0, r1, 0, 8);
@@ -821,8 +990,9 @@ static void quantize_rows(const float *x, int R, int K, int G, int16_t *xq, floa
 /* int8 per weight group (scale max|x| / 127), stored in the weights' byte order: each 8 k of a
    4-bit word as x0 x4 x1 x5 | x2 x6 x3 x7 (its low nibbles' bytes hold w0 w4 w1 w5, its high
    nibbles' w2 w6 w3 w7), each 4 k of an 8-bit word as x0 x2 x1 x3; plus each group's float sum
-   and integer sum. */
-static void quantize_rows8(const float *x, int R, int K, int G, int bits, int8_t *xq, float *xd, float *xs,
+   and the integer sum of every SG values (SG divides G: the weight group where the scale is a
+   super-block's). */
+static void quantize_rows8(const float *x, int R, int K, int G, int SG, int bits, int8_t *xq, float *xd, float *xs,
                            int32_t *xi) {
     static const int src4[8] = {0, 4, 1, 5, 2, 6, 3, 7}, src8[4] = {0, 2, 1, 3};
     const int ng = K / G, n = bits == 4 ? 8 : 4;
@@ -831,19 +1001,18 @@ static void quantize_rows8(const float *x, int R, int K, int G, int bits, int8_t
         for (int g = 0; g < ng; g++) {
             const float *v = x + (size_t)r * K + g * G;
             int8_t *q = xq + (size_t)r * K + g * G;
+            int32_t *si = xi + ((size_t)r * K + g * G) / SG;
             float amax, sum;
             group_amax_sum(v, G, &amax, &sum);
             const float inv = amax > 0.f ? 127.f / amax : 0.f;
-            int32_t isum = 0;
             for (int k = 0; k < G; k += n)
                 for (int e = 0; e < n; e++) {
                     int8_t qv = (int8_t)lrintf(v[k + src[e]] * inv);
                     q[k + e] = qv;
-                    isum += qv;
+                    si[k / SG] = (k % SG || e ? si[k / SG] : 0) + qv;
                 }
             xd[(size_t)r * ng + g] = amax / 127.f;
             xs[(size_t)r * ng + g] = sum;
-            xi[(size_t)r * ng + g] = isum;
         }
     }
 }
@@ -851,8 +1020,8 @@ static void quantize_rows8(const float *x, int R, int K, int G, int bits, int8_t
 #ifdef QM_X86
 /* quantize_rows8 eight floats at a time (G a multiple of 8), the same integers: the float products
    rounded to nearest even as lrintf does; the byte order by one lane permute of the floats. */
-static AVX2_TARGET void quantize_rows8_avx2(const float *x, int R, int K, int G, int bits, int8_t *xq, float *xd,
-                                            float *xs, int32_t *xi) {
+static AVX2_TARGET void quantize_rows8_avx2(const float *x, int R, int K, int G, int SG, int bits, int8_t *xq,
+                                            float *xd, float *xs, int32_t *xi) {
     const int ng = K / G;
     const __m256i order = bits == 4 ? _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7) : _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -878,13 +1047,16 @@ static AVX2_TARGET void quantize_rows8_avx2(const float *x, int R, int K, int G,
                 isum = _mm256_add_epi32(isum, n);
                 const __m128i n16 = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
                 _mm_storel_epi64((__m128i *)(q + k), _mm_packs_epi16(n16, n16));
+                if ((k + 8) % SG == 0) {
+                    __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+                    i4 = _mm_add_epi32(i4, _mm_shuffle_epi32(i4, 0x4e));
+                    i4 = _mm_add_epi32(i4, _mm_shuffle_epi32(i4, 0xb1));
+                    xi[((size_t)r * K + g * G + k) / SG] = _mm_cvtsi128_si32(i4);
+                    isum = _mm256_setzero_si256();
+                }
             }
-            __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
-            i4 = _mm_add_epi32(i4, _mm_shuffle_epi32(i4, 0x4e));
-            i4 = _mm_add_epi32(i4, _mm_shuffle_epi32(i4, 0xb1));
             xd[(size_t)r * ng + g] = amax / 127.f;
             xs[(size_t)r * ng + g] = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
-            xi[(size_t)r * ng + g] = _mm_cvtsi128_si32(i4);
         }
     }
 }
@@ -893,7 +1065,7 @@ static AVX2_TARGET void quantize_rows8_avx2(const float *x, int R, int K, int G,
 /* One gemm call's activations to quantize, `chunk` rows an item. */
 typedef struct {
     const float *x;
-    int R, K, G, bits, act8, chunk;
+    int R, K, G, SG, bits, act8, chunk;
     int16_t *xq;
     float *xd, *xs;
     int32_t *xi;
@@ -902,16 +1074,17 @@ typedef struct {
 static void quantize_item(const void *ctx, int item) {
     const QuantJob *j = (const QuantJob *)ctx;
     const int r0 = item * j->chunk, rows = j->R - r0 < j->chunk ? j->R - r0 : j->chunk;
-    const size_t at = (size_t)r0 * j->K, gat = (size_t)r0 * (j->K / j->G);
+    const size_t at = (size_t)r0 * j->K, gat = (size_t)r0 * (j->K / j->G), sat = (size_t)r0 * (j->K / j->SG);
 #ifdef QM_X86
-    if (j->act8 && g_isa_level > 0 && j->G % 8 == 0) {
-        quantize_rows8_avx2(j->x + at, rows, j->K, j->G, j->bits, (int8_t *)j->xq + at, j->xd + gat, j->xs + gat,
-                            j->xi + gat);
+    if (j->act8 && g_isa_level > 0 && j->SG % 8 == 0) {
+        quantize_rows8_avx2(j->x + at, rows, j->K, j->G, j->SG, j->bits, (int8_t *)j->xq + at, j->xd + gat,
+                            j->xs + gat, j->xi + sat);
         return;
     }
 #endif
     if (j->act8)
-        quantize_rows8(j->x + at, rows, j->K, j->G, j->bits, (int8_t *)j->xq + at, j->xd + gat, j->xs + gat, j->xi + gat);
+        quantize_rows8(j->x + at, rows, j->K, j->G, j->SG, j->bits, (int8_t *)j->xq + at, j->xd + gat, j->xs + gat,
+                       j->xi + sat);
     else
         quantize_rows(j->x + at, rows, j->K, j->G, j->xq + at, j->xd + gat, j->xs + gat);
 }
@@ -1002,8 +1175,10 @@ int qm_gemm(const QmMatrix *m, const float *x, int R, float *out, Py_ssize_t ldo
     float *xd = g_xd, *xs = g_xd + nd;
     int32_t *xi = (int32_t *)(g_xd + 2 * nd);
     const int act8 = g_act_bits == 8;
+    /* K-quant batches on the AVX2 path scale activations per super-block (avx2_tile_sb) */
+    const int sb = act8 && g_isa_level > 0 && R >= 4 && m->kq && G == (m->hbits == 2 ? 16 : 32);
     /* on one thread, quantizing 512 rows left the other idle for a seventh of the matmul's time */
-    QuantJob job = {x, R, K, G, m->bits, act8, R >= 64 ? 8 : R, g_xq, xd, xs, xi};
+    QuantJob job = {x, R, K, sb ? 256 : G, G, m->bits, act8, R >= 64 ? 8 : R, g_xq, xd, xs, xi};
     if (R >= 64) qm_parallel((R + job.chunk - 1) / job.chunk, quantize_item, &job);
     else quantize_item(&job, 0);
     Task *t = &g_task;
@@ -1012,7 +1187,7 @@ int qm_gemm(const QmMatrix *m, const float *x, int R, float *out, Py_ssize_t ldo
         .x8 = act8 ? (const int8_t *)g_xq : NULL, .xi = xi, .xd = xd, .xs = xs, .out = out, .ldo = ldo,
         .kernel = act8 ? g_kernel8 : g_kernel,
         .R = R, .K = K, .N = m->N, .bits = m->bits, .group = G, .f16 = m->f16, .hw = m->hw, .ksc = m->ksc,
-        .km = m->km, .hbits = m->hbits, .kq = m->kq, .panels = (m->N + PANEL - 1) / PANEL,
+        .km = m->km, .hbits = m->hbits, .kq = m->kq, .sb = sb, .panels = (m->N + PANEL - 1) / PANEL,
     };
     run_task();
     return 0;
