@@ -57,6 +57,7 @@ typedef struct Task {
     const int16_t *xq;  /* [R, K] int16 activations, or NULL */
     const int8_t *x8;   /* [R, K] int8 activations in the weights' byte order (see quantize_rows8), or NULL */
     const int32_t *xi;  /* [R, K / group] sum of a group's int8 activations (8-bit weights) */
+    const int16_t *xi16; /* the same as int16, for the super-block path's vpmaddwd of two groups */
     const float *xd;    /* [R, K / group] activation scale per group */
     const float *xs;    /* [R, K / group] activation sum per group */
     float *out;
@@ -772,8 +773,7 @@ avx2_super_block_end(const Task *t, int p, int h, int sbk, int r0, const __m256i
     for (int g = sbk * (256 / G); g < (sbk + 1) * (256 / G); g += 2) {
         const __m256i m = int16_pairs(t->km, ((size_t)p * ng + g) * PANEL + 8 * h, 1);
         for (int r = 0; r < RB; r++) {
-            const int32_t *xi = t->xi + (size_t)(r0 + r) * ng + g;
-            const __m256i pair = _mm256_set1_epi32((int32_t)(((uint32_t)xi[1] << 16) | ((uint32_t)xi[0] & 0xffff)));
+            const __m256i pair = bcast32((const int8_t *)(t->xi16 + (size_t)(r0 + r) * ng + g));
             mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(m, pair));
         }
     }
@@ -1100,11 +1100,11 @@ static int reserve(size_t nq, size_t nd) {
         g_xq = p;
         g_xq_cap = nq;
     }
-    if (3 * nd > g_xd_cap) { /* scales, float sums, integer sums */
-        float *p = (float *)realloc(g_xd, 3 * nd * sizeof(float));
+    if (4 * nd > g_xd_cap) { /* scales, float sums, integer sums, and those as int16 */
+        float *p = (float *)realloc(g_xd, 4 * nd * sizeof(float));
         if (!p) return -1;
         g_xd = p;
-        g_xd_cap = 3 * nd;
+        g_xd_cap = 4 * nd;
     }
     return 0;
 }
@@ -1174,6 +1174,7 @@ int qm_gemm(const QmMatrix *m, const float *x, int R, float *out, Py_ssize_t ldo
     const size_t nd = (size_t)R * (K / G);
     float *xd = g_xd, *xs = g_xd + nd;
     int32_t *xi = (int32_t *)(g_xd + 2 * nd);
+    int16_t *xi16 = (int16_t *)(g_xd + 3 * nd);
     const int act8 = g_act_bits == 8;
     /* K-quant batches on the AVX2 path scale activations per super-block (avx2_tile_sb) */
     const int sb = act8 && g_isa_level > 0 && R >= 4 && m->kq && G == (m->hbits == 2 ? 16 : 32);
@@ -1181,10 +1182,12 @@ int qm_gemm(const QmMatrix *m, const float *x, int R, float *out, Py_ssize_t ldo
     QuantJob job = {x, R, K, sb ? 256 : G, G, m->bits, act8, R >= 64 ? 8 : R, g_xq, xd, xs, xi};
     if (R >= 64) qm_parallel((R + job.chunk - 1) / job.chunk, quantize_item, &job);
     else quantize_item(&job, 0);
+    if (sb) /* a group's sum is at most 32 * 127 */
+        for (size_t i = 0; i < nd; i++) xi16[i] = (int16_t)xi[i];
     Task *t = &g_task;
     *t = (Task){
         .w = m->w, .scales = m->scales, .biases = m->biases, .xq = act8 ? NULL : g_xq,
-        .x8 = act8 ? (const int8_t *)g_xq : NULL, .xi = xi, .xd = xd, .xs = xs, .out = out, .ldo = ldo,
+        .x8 = act8 ? (const int8_t *)g_xq : NULL, .xi = xi, .xi16 = xi16, .xd = xd, .xs = xs, .out = out, .ldo = ldo,
         .kernel = act8 ? g_kernel8 : g_kernel,
         .R = R, .K = K, .N = m->N, .bits = m->bits, .group = G, .f16 = m->f16, .hw = m->hw, .ksc = m->ksc,
         .km = m->km, .hbits = m->hbits, .kq = m->kq, .sb = sb, .panels = (m->N + PANEL - 1) / PANEL,
