@@ -1,5 +1,7 @@
 """Property-based tests of the BlockManager's invariants over random allocate/append/fork/free sequences."""
 
+from unittest import mock
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +28,10 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
         assert bm.block_hash[b] == h
     for s in live:
         assert len(s.block_table) * BLOCK >= s.num_computed_tokens
+        # a cached block a sequence holds was filled from that sequence's own tokens
+        for i, b in enumerate(s.block_table[: s.num_computed_tokens // BLOCK]):
+            if bm.block_key[b] is not None:
+                assert bm.block_key[b][1] == tuple(s.token_ids[i * BLOCK : (i + 1) * BLOCK])
 
 
 ops = st.lists(
@@ -37,6 +43,38 @@ ops = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, caching=st.booleans(), vocab=st.integers(2, 6))
 def test_invariants_hold(ops, caching, vocab):
+    run_ops(ops, caching, vocab)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=ops, vocab=st.integers(2, 6))
+def test_colliding_hashes_never_share_a_block(ops, vocab):
+    """Every block hashing alike (as a weak or predictable hash lets a crafted prompt do): a hit is
+    still only ever a block filled from the same tokens after the same prefix."""
+    with mock.patch.object(BlockManager, "_chain", staticmethod(lambda parent, tokens: b"collision")):
+        run_ops(ops, True, vocab)
+
+
+def test_a_collision_is_a_miss_not_another_prompts_kv():
+    with mock.patch.object(BlockManager, "_chain", staticmethod(lambda parent, tokens: b"collision")):
+        bm = BlockManager(num_blocks=8, block_size=BLOCK)
+        a = Sequence("a", [1, 2, 3, 4, 5], PARAMS)
+        bm.admit(a, [])
+        bm.allocate_slots(a, 5)
+        a.num_computed_tokens = 5
+        bm.register_full_blocks(a)
+        assert bm.match_prefix(Sequence("b", [9, 9, 9, 9, 9], PARAMS)) == []
+        assert bm.match_prefix(Sequence("a2", [1, 2, 3, 4, 7], PARAMS)) == [a.block_table[0]]
+
+
+def test_block_hashes_are_blake2b_chains():
+    """Not Python's hash(): the same in every process, 128 bits, and covering the parent."""
+    first = BlockManager._chain(None, [1, 2, 3, 4])
+    assert len(first) == 16 and first == BlockManager._chain(None, [1, 2, 3, 4])
+    assert BlockManager._chain(first, [5, 6, 7, 8]) != BlockManager._chain(None, [5, 6, 7, 8])
+
+
+def run_ops(ops: list[tuple[str, int, int]], caching: bool, vocab: int) -> None:
     bm = BlockManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=caching)
     live: list[Sequence] = []
     for i, (op, pick, n) in enumerate(ops):
@@ -126,3 +164,18 @@ def test_lru_eviction_prefers_oldest_cached():
     assert bm.allocate_slots(c, 9)
     assert a_full in c.block_table and b_full not in c.block_table
     assert bm.match_prefix(Sequence("b2", [2, 2, 2, 2, 2], PARAMS)) == [b_full]
+
+
+def test_a_miss_says_where_the_prompt_left_the_cache():
+    bm = BlockManager(num_blocks=8, block_size=BLOCK)
+    a = Sequence("a", list(range(13)), PARAMS)
+    assert bm.match_prefix(a) == [] and a.prefix_diverged_at == 0  # nothing cached yet
+    bm.admit(a, [])
+    bm.allocate_slots(a, 13)
+    a.num_computed_tokens = 13
+    bm.register_full_blocks(a)
+    # the same first block, then two more tokens of the second, then a change (as a timestamp would)
+    b = Sequence("b", list(range(6)) + [99] * 7, PARAMS)
+    assert bm.match_prefix(b) == a.block_table[:1] and b.prefix_diverged_at == 6
+    c = Sequence("c", list(range(13)), PARAMS)
+    assert bm.match_prefix(c) == a.block_table[:3] and c.prefix_diverged_at is None

@@ -116,3 +116,20 @@ def test_the_server_survives_clients_leaving_mid_flight(aengine, caplog):
     finally:
         server.stop()
     assert not [r for r in caplog.records if "InvalidStateError" in r.getMessage() + str(r.exc_info)]
+
+
+def test_the_request_log_line_says_what_the_prefix_cache_held(aengine, caplog):
+    """Two prompts that part at a known token: the second's log line gives its cached tokens and that offset."""
+    server = ServerThread(create_app(aengine, "tiny"))
+    shared = list(range(10, 74))  # four 16-token blocks
+    try:
+        with caplog.at_level(logging.INFO, logger="edgeserve"), httpx.Client(base_url=server.url) as client:
+            for tail in ([1] * 40, [2] * 40):
+                prompt = shared + [5, 6, 7] + tail  # the second prompt leaves the cached one at token 67
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+                assert client.post("/v1/completions", json=body).status_code == 200
+    finally:
+        server.stop()
+    lines = [r.getMessage() for r in caplog.records if " prompt=107 " in r.getMessage()]
+    assert len(lines) == 2 and "cached=0 diverged=0 " in lines[0], lines
+    assert "cached=64 diverged=67 " in lines[1], lines

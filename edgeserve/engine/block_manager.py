@@ -1,13 +1,18 @@
 """Who holds which KV block: free list, reference counts, block tables and the prefix cache.
 
-A full block's hash covers its tokens and its parent's hash, so equal hashes mean equal prefixes.
+A full block's hash is a BLAKE2b digest of its parent's hash and its tokens, and a cache hit is
+checked against the tokens and parent the block was filled with, so one client's prompt can never
+be served another's K/V: not by a collision of a predictable hash, nor by a crafted prompt.
 Blocks nobody references stay in the cache (and in the free list, oldest first) until evicted.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import numpy as np
 
 from edgeserve.engine.sequence import Sequence
 
@@ -32,8 +37,11 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        # what a cached block was filled from: its parent's hash and its tokens, checked on every hit
+        self.block_key: list[tuple[bytes | None, tuple[int, ...]] | None] = [None] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
+        self.children: dict[bytes | None, set[int]] = {}  # cached blocks by their parent's hash
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
         self._pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next step
         self.hit_tokens = 0
@@ -68,7 +76,8 @@ class BlockManager:
         h = self.block_hash[block]
         if h is not None:
             del self.hash_to_block[h]
-            self.block_hash[block] = None
+            self.children[self.block_key[block][0]].discard(block)  # type: ignore[index]
+            self.block_hash[block] = self.block_key[block] = None
         self.ref_count[block] = 1
         return block
 
@@ -77,23 +86,50 @@ class BlockManager:
             del self.free[block]
         self.ref_count[block] += 1
 
-    def _chain(self, parent: int | None, tokens: list[int]) -> int:
-        return hash((parent, tuple(tokens)))
+    @staticmethod
+    def _chain(parent: bytes | None, tokens: list[int]) -> bytes:
+        """The hash of a block of tokens following the prefix whose last block hashed to parent."""
+        h = hashlib.blake2b(parent or b"", digest_size=16)
+        h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+        return h.digest()
+
+    def _lookup(self, parent: bytes | None, tokens: list[int]) -> tuple[bytes, int | None]:
+        """The chained hash of tokens after parent, and the cached block holding exactly them, if any."""
+        h = self._chain(parent, tokens)
+        block = self.hash_to_block.get(h)
+        if block is not None and self.block_key[block] != (parent, tuple(tokens)):
+            block = None
+        return h, block
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding the longest prefix of seq (never its last token, which must be computed)."""
+        """Cached blocks holding the longest prefix of seq (never its last token, which must be computed);
+        sets seq.prefix_diverged_at where they end short of that."""
+        seq.prefix_diverged_at = None
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         hits: list[int] = []
         parent = None
         for i in range((seq.num_tokens - 1) // bs):
-            parent = self._chain(parent, seq.token_ids[i * bs : (i + 1) * bs])
-            block = self.hash_to_block.get(parent)
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            known = parent
+            parent, block = self._lookup(parent, tokens)
             if block is None:
+                seq.prefix_diverged_at = i * bs + self._common_run(known, tokens)
                 break
             hits.append(block)
         return hits
+
+    def _common_run(self, parent: bytes | None, tokens: list[int]) -> int:
+        """How many leading tokens some cached block after parent shares with tokens."""
+        best = 0
+        for block in self.children.get(parent, ()):
+            cached = self.block_key[block][1]  # type: ignore[index]
+            n = 0
+            while n < len(tokens) and cached[n] == tokens[n]:
+                n += 1
+            best = max(best, n)
+        return best
 
     def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
         reused_free = sum(1 for b in hits if self.ref_count[b] == 0)
@@ -135,12 +171,15 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = self._chain(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            h = self._chain(parent, tokens)
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if h not in self.hash_to_block and self.block_hash[block] is None:
                 self.hash_to_block[h] = block
                 self.block_hash[block] = h
+                self.block_key[block] = (parent, tuple(tokens))
+                self.children.setdefault(parent, set()).add(block)
 
     def trim(self, seq: Sequence) -> None:
         """Free seq's blocks past those its tokens need (slots a rejected draft was given)."""

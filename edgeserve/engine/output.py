@@ -31,6 +31,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: list[dict] = field(default_factory=list)
+    prefix_diverged_at: int | None = None  # the first prompt token no cached prefix had, if any
     ttft: float | None = None  # seconds from arrival to first token
     elapsed: float = 0.0  # seconds from arrival to this output
     error: str | None = None
@@ -108,6 +109,7 @@ class RequestState:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=logprobs,
+            prefix_diverged_at=seq.prefix_diverged_at,
             ttft=None if self.first_token_time is None else self.first_token_time - seq.arrival_time,
             elapsed=time.perf_counter() - seq.arrival_time,
             stop_string=self.stop_string,

@@ -31,6 +31,7 @@ class Choice:
     stop_string: str | None = None  # the stop string that ended it, where one did
     completion_tokens: int = 0
     cached_tokens: int = 0
+    prefix_diverged_at: int | None = None
     ttft: float | None = None
     elapsed: float = 0.0
 
@@ -39,6 +40,7 @@ class Choice:
         self.logprobs.extend(out.logprobs)
         self.completion_tokens = out.num_output_tokens
         self.cached_tokens = out.num_cached_tokens
+        self.prefix_diverged_at = out.prefix_diverged_at
         self.ttft = out.ttft
         self.elapsed = out.elapsed
         if out.finished:
@@ -129,6 +131,11 @@ class Generation:
     def cached_tokens(self) -> int:
         """Prompt tokens found in the prefix cache: a prompt counts once however many choices share it."""
         return sum(c.cached_tokens for c in self.choices if c.index % self.n == 0)
+
+    @property
+    def prefix_diverged_at(self) -> int | None:
+        """Where the (first) prompt left the longest prefix in the cache; None if it never did."""
+        return self.choices[0].prefix_diverged_at if self.choices else None
 
 
 async def _until_disconnect(request: Request) -> None:
