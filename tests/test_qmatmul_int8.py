@@ -46,10 +46,10 @@ def _integer_form(w: QuantizedTensor | KQuantTensor) -> tuple[np.ndarray, np.nda
     return p.q, scale, bias, w.group_size
 
 
-def super_block_activations(isa: str, w: QuantizedTensor | KQuantTensor, rows: int) -> bool:
-    """Whether the kernels scale this product's activations per super-block of 256 (the AVX2 batch
-    path of K-quants) rather than per weight group."""
-    return isa != "generic" and rows >= 4 and isinstance(w, KQuantTensor)
+def super_block_activations(isa: str, w: QuantizedTensor | KQuantTensor) -> bool:
+    """Whether the kernels scale this product's activations per super-block of 256 (the AVX2 path of
+    K-quants) rather than per weight group."""
+    return isa != "generic" and isinstance(w, KQuantTensor)
 
 
 def int8_reference(x: np.ndarray, w: QuantizedTensor | KQuantTensor,
@@ -82,7 +82,7 @@ def int8_reference(x: np.ndarray, w: QuantizedTensor | KQuantTensor,
 
 def _check(x: np.ndarray, w: QuantizedTensor | KQuantTensor, m: qm.QMatrix, isa: str = "generic") -> None:
     got = qm.qmatmul(x, m)
-    ref, slack = int8_reference(x, w, super_block_activations(isa, w, len(x)))
+    ref, slack = int8_reference(x, w, super_block_activations(isa, w))
     bad = np.abs(got - ref) > slack
     assert not bad.any(), f"{bad.sum()} of {bad.size} outputs off, worst {np.abs(got - ref).max():.3g}"
 

@@ -784,7 +784,7 @@ avx2_super_block_end(const Task *t, int p, int h, int sbk, int r0, const __m256i
     }
 }
 
-/* Rows r0..r0+RB-1 of panel p for the K-quants' batch path with super-block activations (one int8
+/* Rows r0..r0+RB-1 of panel p for the K-quants with super-block activations (one int8
    scale per 256 values of a row, as llama.cpp's Q8_K), Q4_K (HB 0) and Q5_K (HB 1), groups of 32: a
    group's int16 sums are weighted by its int8 scales in the vpmaddwd that widens them (in place of
    ones), after four words (4 bits) or two (5 bits: four words' sums could overflow int16), and summed
@@ -814,6 +814,7 @@ avx2_tile_sb(const Task *t, int p, int r0, const int RB, const int HB) {
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 __m256i lo[2], hi[2];
+                PREFETCH(wg + j * PANEL);
                 for (int h = 0; h < 2; h++)
                     avx2_nibbles(_mm256_loadu_si256((const __m256i *)(wg + j * PANEL + 8 * h)), hw[h], j, HB, &lo[h], &hi[h]);
 #pragma GCC unroll 4
@@ -858,6 +859,7 @@ avx2_tile_sb6(const Task *t, int p, int r0, const int RB) {
 #pragma GCC unroll 2
                 for (int j = 0; j < 2; j++) {
                     __m256i lo, hi;
+                    if (!h) PREFETCH(wp + (size_t)(2 * g + j) * PANEL);
                     avx2_nibbles(_mm256_loadu_si256((const __m256i *)(wp + (size_t)(2 * g + j) * PANEL + 8 * h)), hw, j, 2,
                                  &lo, &hi);
 #pragma GCC unroll 8
@@ -1176,8 +1178,8 @@ int qm_gemm(const QmMatrix *m, const float *x, int R, float *out, Py_ssize_t ldo
     int32_t *xi = (int32_t *)(g_xd + 2 * nd);
     int16_t *xi16 = (int16_t *)(g_xd + 3 * nd);
     const int act8 = g_act_bits == 8;
-    /* K-quant batches on the AVX2 path scale activations per super-block (avx2_tile_sb) */
-    const int sb = act8 && g_isa_level > 0 && R >= 4 && m->kq && G == (m->hbits == 2 ? 16 : 32);
+    /* K-quants on the AVX2 path scale activations per super-block (avx2_tile_sb), one row or many */
+    const int sb = act8 && g_isa_level > 0 && m->kq && G == (m->hbits == 2 ? 16 : 32);
     /* on one thread, quantizing 512 rows left the other idle for a seventh of the matmul's time */
     QuantJob job = {x, R, K, sb ? 256 : G, G, m->bits, act8, R >= 64 ? 8 : R, g_xq, xd, xs, xi};
     if (R >= 64) qm_parallel((R + job.chunk - 1) / job.chunk, quantize_item, &job);
