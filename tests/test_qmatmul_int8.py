@@ -114,6 +114,22 @@ def test_k_quants(int8_isa, qtype):
         _check(rng.standard_normal((rows, 512)).astype(np.float32), w, m, int8_isa)
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q4_0])
+def test_a_row_alone_equals_it_in_a_batch(int8_isa, qtype):
+    """Bit for bit, whatever the batch around it: a greedy answer does not change with the batch
+    (or with speculative decoding's extra rows)."""
+    rng = np.random.default_rng(int(qtype) + 7)
+    if qtype in (T.Q8_0, T.Q4_0):
+        w = _affine(rng, 40, 512, 8 if qtype == T.Q8_0 else 4, 32, True)
+    else:
+        w = random_kquant(rng, qtype, 40, 512)
+    m = qm.prepare([w])
+    x = rng.standard_normal((9, 512)).astype(np.float32)
+    batch = qm.qmatmul(x, m)
+    for r in (0, 5, 8):
+        np.testing.assert_array_equal(qm.qmatmul(x[r : r + 1], m), batch[r : r + 1])
+
+
 @pytest.mark.parametrize("n, k, group", [(1, 32, 32), (15, 96, 32), (17, 160, 32), (33, 64, 64), (200, 96, 32)])
 def test_ragged_shapes(int8_isa, n, k, group):
     """N not a multiple of the panel's 16 columns, K not a multiple of any tile, zero rows of x."""
