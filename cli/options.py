@@ -61,7 +61,7 @@ def model_options(run: Callable | None = None, *, ctx_default: str = "the model'
                      help="KV pool size: 2GiB, 512MiB, or a fraction of free memory (0.25, 25%).")(f)
     f = click.option("--activations", type=click.Choice(list(ACTIVATION_MODES)), default=None,
                      help="NumPy backend's quantized kernels: activations as int8 (llama.cpp's way: fewer "
-                          "instructions a weight, ~1% higher perplexity) or int16 (closest to float32)  "
+                          "instructions a weight, 1-2% higher perplexity) or int16 (closest to float32)  "
                           f"[default: EDGESERVE_ACTIVATIONS, else {DEFAULT_ACTIVATIONS}]")(f)
     f = click.option("--weights", type=click.Choice(["auto", *WEIGHT_MODES]), default="auto", show_default=True,
                      help="NumPy backend: compute from the quantized storage (least memory, fastest where "
