@@ -295,10 +295,7 @@ def _pack_kquants(parts: list[KQuantTensor], start: int, stop: int) -> _Segment:
     hbits = parts[0].bits - 4
     hi = None
     if hbits:
-        per_word = 32 // hbits
-        chunks = (q >> 4).reshape(panels, PANEL, k // per_word, per_word).astype(np.uint32)
-        words = np.bitwise_or.reduce(chunks << _HI_SHIFTS[hbits], axis=-1)
-        hi = np.ascontiguousarray(words.transpose(0, 2, 1))
+        hi = _high_bit_words(q >> 4, hbits, panels)
     ksc = _panel_ints([pl.sc for pl in planes], panels)
     km = ksc if planes[0].m is None else _panel_ints([pl.m for pl in planes], panels)
     d, dmin = _panel_scales([pl.d for pl in planes], [pl.dmin for pl in planes], panels)
@@ -308,12 +305,39 @@ def _pack_kquants(parts: list[KQuantTensor], start: int, stop: int) -> _Segment:
 
 
 def _panel_words(q: np.ndarray, bits: int, panels: int) -> np.ndarray:
-    """Unsigned integers [panels * 16, K] as panels of words [panels, K * bits / 32, 16]."""
-    epw = 32 // bits
-    order = _NIBBLE_ORDER if bits == 4 else _BYTE_ORDER
-    chunks = q.reshape(panels, PANEL, q.shape[1] // epw, epw)[..., order].astype(np.uint32)
-    words = np.bitwise_or.reduce(chunks << (np.arange(epw, dtype=np.uint32) * bits), axis=-1)
-    return np.ascontiguousarray(words.transpose(0, 2, 1))
+    """Unsigned integers [panels * 16, K] as panels of words [panels, K * bits / 32, 16].
+
+    A word's values are shuffled into place with shifts of the 8 (or 4) bytes that hold them read as one
+    integer: a uint32 per value and a reduction made a 3B model's first start twice as long."""
+    if bits == 4:
+        # y's byte i = w_i | w_(i+2) << 4 (values < 16), so the word is y's bytes 0, 4, 1, 5 (_NIBBLE_ORDER)
+        x = np.ascontiguousarray(q).view("<u8")
+        y = x | (x >> np.uint64(12))
+        w = (y & np.uint64(0xFF)) | ((y >> np.uint64(24)) & np.uint64(0xFF00)) | \
+            ((y << np.uint64(8)) & np.uint64(0xFF0000)) | ((y >> np.uint64(16)) & np.uint64(0xFF000000))
+    else:  # bytes w0, w2, w1, w3 (_BYTE_ORDER)
+        x = np.ascontiguousarray(q).view("<u4")
+        w = (x & np.uint32(0xFF0000FF)) | ((x >> np.uint32(8)) & np.uint32(0xFF00)) | \
+            ((x << np.uint32(8)) & np.uint32(0xFF0000))
+    return _panels(w.astype(np.uint32), panels)
+
+
+def _high_bit_words(high: np.ndarray, hbits: int, panels: int) -> np.ndarray:
+    """K-quants' high bits [panels * 16, K] as the plane of words [panels, K * hbits / 32, 16]: value e of a
+    word at bit hbits * (e // 2) of its low (even e) or high (odd e) int16 half."""
+    per_byte = 8 // hbits
+    c = high.reshape(panels, PANEL, high.shape[1] * hbits // 32, 32 // hbits)
+    out = np.zeros(c.shape[:-1] + (4,), dtype=np.uint8)
+    for b in range(4):
+        half, first = b // 2, (b % 2) * per_byte
+        for j in range(per_byte):
+            out[..., b] |= c[..., 2 * (first + j) + half] << (hbits * j)
+    return _panels(np.ascontiguousarray(out).view("<u4")[..., 0].astype(np.uint32), panels)
+
+
+def _panels(words: np.ndarray, panels: int) -> np.ndarray:
+    """A matrix's words [panels * 16, words a row] as panels [panels, words a row, 16]."""
+    return np.ascontiguousarray(words.reshape(panels, PANEL, -1).transpose(0, 2, 1))
 
 
 def _panel_ints(parts: list[np.ndarray], panels: int) -> np.ndarray:
