@@ -31,6 +31,35 @@ class InvalidParamsError(EdgeserveError):
         self.param = param
 
 
+# What an opening trigger skips before the output's first character counts; an opening grammar's gap is these too.
+OPENING_BLANKS = " \t\n"
+
+
+@dataclass(frozen=True)
+class GrammarTrigger:
+    """When a request's grammar binds (tool calls under tool_choice auto), so that free text costs no mask.
+
+    The output is free, unmasked, until it writes `text` (the grammar then binds from the token in which the text
+    begins) or samples `token_id` (a special token, which no text spells: bound from it).
+    With `opening`, only the output's first token past OPENING_BLANKS counts, and `text` is one character: the
+    grammar is bound from the first token, so it must also take any other opening, and is let go once the output
+    opens with neither (a call that is the whole answer, such as Llama 3's, is then held from its first character,
+    and an answer that is no call is masked at its first token only).
+    """
+
+    text: str | None = None
+    token_id: int | None = None
+    opening: bool = False
+
+    def problem(self) -> str | None:
+        """What makes this trigger unusable, or None."""
+        if not self.text and self.token_id is None:
+            return "must name a text or a token"
+        if self.opening and self.text is not None and (len(self.text) != 1 or self.text in OPENING_BLANKS):
+            return "must open with one character that is not blank"
+        return None
+
+
 # What the front ends (run, chat, tui, serve) sample with where neither the request nor the model says:
 # Ollama's choices, which keep small models from looping (greedy decoding and no penalty repeat one
 # sentence), with chat's long-standing temperature of 0.7.
@@ -113,9 +142,7 @@ class SamplingParams:
     json_schema: dict[str, Any] | str | None = None  # a JSON Schema (as a dict or JSON text)
     regex: str | None = None
     grammar: str | None = None  # a Lark grammar (llguidance's dialect, which may embed %json {...})
-    # The grammar binds only once the output writes this text, from the token where it begins (a tool call's
-    # marker); until then the output is free.
-    grammar_trigger: str | None = None
+    grammar_trigger: GrammarTrigger | None = None  # the grammar binds once it fires; the output is free until then
     speculative: str | None = None  # "auto", "ngram" or "off" for this request; None: the engine's setting
 
     def __post_init__(self) -> None:
@@ -130,6 +157,7 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
+        trigger_problem = self.grammar_trigger.problem() if self.grammar_trigger is not None else None
         checks = [
             (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (0.0 <= self.temperature <= 2.0, "temperature", "must be between 0 and 2"),
@@ -148,8 +176,8 @@ class SamplingParams:
              "values must be between -100 and 100"),
             (sum(x is not None for x in (self.json_schema, self.regex, self.grammar)) <= 1, "json_schema",
              "cannot be combined with regex or grammar: give one of them"),
-            (self.grammar_trigger is None or (self.grammar is not None and self.grammar_trigger != ""),
-             "grammar_trigger", "must be a non-empty text, with a grammar"),
+            (self.grammar_trigger is None or self.grammar is not None, "grammar_trigger", "needs a grammar"),
+            (trigger_problem is None, "grammar_trigger", trigger_problem),
             (self.speculative in (None, *SPECULATIVE_MODES), "speculative",
              f"must be one of {', '.join(SPECULATIVE_MODES)}"),
         ]

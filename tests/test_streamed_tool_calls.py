@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from collections.abc import Iterator
 
@@ -71,3 +73,38 @@ def test_auto_tool_choice_keeps_markup_out_and_calls_valid(client: openai.OpenAI
         for call in reply.message.tool_calls or []:
             assert call.function.name == "get_weather"
             jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+# Llama 3.1's tool prompt over ChatML, which the model knows: a tool result is an `ipython` turn, and a call is the
+# whole answer, a JSON object with no marker before it.
+LLAMA3_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ 'ipython' if message['role'] == 'tool' else message['role'] }}\n"
+    "{% if loop.last and tools %}Given the following functions, please respond with a JSON for a function call "
+    "with its proper arguments that best answers the given prompt.\n\nRespond in the format "
+    '{"name": function name, "parameters": dictionary of argument name and its value}. Do not use variables.\n\n'
+    "{% for t in tools %}{{ t | tojson }}\n\n{% endfor %}{% endif %}"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def llama3_client(loaded_model) -> Iterator[openai.OpenAI]:
+    tokenizer = copy.copy(loaded_model.tokenizer)
+    tokenizer.chat_template = LLAMA3_TEMPLATE
+    with serving(dataclasses.replace(loaded_model, tokenizer=tokenizer), "model") as server:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_auto_tool_choice_holds_a_llama3_call_from_its_first_character(llama3_client: openai.OpenAI) -> None:
+    calls = 0
+    for seed in range(8):
+        reply = llama3_client.chat.completions.create(model="model", messages=ASK, tools=[WEATHER], seed=seed,
+                                                      temperature=1.0, max_tokens=80).choices[0]
+        # an answer that opens as an object is a call, and follows the tool's schema (the grammar holds from the
+        # opening on); other answers are free text
+        assert not (reply.message.content or "").lstrip().startswith("{"), reply.message.content
+        for call in reply.message.tool_calls or []:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+            calls += 1
+    assert calls  # the seeds' answers open with a call now and then

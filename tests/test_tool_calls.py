@@ -9,6 +9,7 @@ import llguidance
 import pytest
 
 from edgeserve.engine.constraints import ll_tokenizer
+from edgeserve.sampling_params import GrammarTrigger
 from edgeserve.text.chat_template import ChatTemplate
 from edgeserve.text.tool_calls import (
     HermesFormat,
@@ -36,10 +37,11 @@ def llt(loaded_model) -> llguidance.LLTokenizer:
     return ll_tokenizer(loaded_model.tokenizer, loaded_model.args.vocab_size)
 
 
-def matches(llt: llguidance.LLTokenizer, tokenizer, grammar: str, text: str) -> bool:
-    """Whether the grammar takes text whole and is then complete."""
+def matches(llt: llguidance.LLTokenizer, tokenizer, grammar: str, text: str, lead: tuple[int, ...] = ()) -> bool:
+    """Whether the grammar takes text whole, after the tokens lead (special ones, which no text spells), and is then
+    complete."""
     matcher = llguidance.LLMatcher(llt, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
-    return matcher.consume_tokens(tokenizer.encode(text, add_bos=False)) and matcher.is_accepting()
+    return matcher.consume_tokens([*lead, *tokenizer.encode(text, add_bos=False)]) and matcher.is_accepting()
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -63,7 +65,7 @@ def test_written_calls_parse_back_and_the_grammar_takes_them(fmt, llt, loaded_mo
 def test_the_triggered_grammar_binds_calls_from_their_marker_on(fmt, llt, loaded_model) -> None:
     tokenizer = loaded_model.tokenizer
     grammar, trigger = fmt.triggered_grammar([WEATHER, TIME], True)
-    assert trigger == fmt.marker
+    assert trigger == GrammarTrigger(text=fmt.marker)
     # it is fed from the token where the marker begins, which may hold text before it
     for text in ("Let me look.\n" + fmt.write(CALLS[:1]), fmt.write(CALLS), " " + fmt.write(CALLS[:1])):
         assert matches(llt, tokenizer, grammar, text), text
@@ -75,10 +77,42 @@ def test_the_triggered_grammar_binds_calls_from_their_marker_on(fmt, llt, loaded
     assert not matches(llt, tokenizer, single, fmt.write(CALLS[:1] * 2))
 
 
-def test_formats_without_a_text_marker_have_no_trigger() -> None:
-    assert Llama3Format().triggered_grammar([WEATHER], True) is None
-    assert MistralFormat(marker_token=5).triggered_grammar([WEATHER], True) is None
-    assert tools_grammar(Llama3Format(), [WEATHER], False, True) == (None, None)
+def test_a_marker_token_triggers_mistral_s_calls_from_itself(llt, loaded_model) -> None:
+    tokenizer = loaded_model.tokenizer
+    marker = tokenizer.token_to_id("<filename>")  # a special token standing for [TOOL_CALLS]
+    fmt = MistralFormat(marker_token=marker)
+    grammar, trigger = fmt.triggered_grammar([WEATHER, TIME], True)
+    assert trigger == GrammarTrigger(token_id=marker)
+    for calls, valid in ((CALLS[:1], True), (CALLS, True), ([ToolCall("get_weather", '{"city": 5}')], False),
+                         ([ToolCall("get_news", '{"tz": "CET"}')], False)):
+        text = fmt.write(calls).removeprefix(fmt.marker)
+        assert matches(llt, tokenizer, grammar, text, lead=(marker,)) == valid, text
+
+
+def test_llama3_calls_are_held_from_the_answer_s_opening(llt, loaded_model) -> None:
+    tokenizer = loaded_model.tokenizer
+    tag = tokenizer.token_to_id("<filename>")  # a special token standing for <|python_tag|>
+    fmt = Llama3Format(marker_token=tag)
+    grammar, trigger = fmt.triggered_grammar([WEATHER, TIME], True)
+    assert trigger == GrammarTrigger(text="{", token_id=tag, opening=True)
+    call = fmt.write(CALLS[:1])
+    for text in (call, fmt.write(CALLS), " \n" + call):
+        assert matches(llt, tokenizer, grammar, text), text
+    assert matches(llt, tokenizer, grammar, call, lead=(tag,))
+    # any other opening is taken (the engine lets the grammar go there)
+    for text in ("", "Sunny, 21 C.", "I think {not a call}", "\n\nSure: {}"):
+        assert matches(llt, tokenizer, grammar, text), text
+    # an answer that opens as a call is one, following a tool's schema, written as the engine writes JSON
+    for text in ("{not a call}", fmt.write([ToolCall("get_weather", '{"city": 5}')]),
+                 fmt.write([ToolCall("get_news", '{"tz": "CET"}')]), call.replace(", ", ",\n  ")):
+        assert not matches(llt, tokenizer, grammar, text), text
+    single, _ = fmt.triggered_grammar([WEATHER], False)
+    assert not matches(llt, tokenizer, single, fmt.write(CALLS[:1] * 2))
+
+
+def test_every_format_has_a_trigger_under_auto_and_none_where_a_call_is_forced() -> None:
+    assert tools_grammar(Llama3Format(), [WEATHER], False, True) == Llama3Format().triggered_grammar([WEATHER], True)
+    assert tools_grammar(Llama3Format(), [WEATHER], False, True)[1] == GrammarTrigger(text="{", opening=True)
     assert tools_grammar(HermesFormat(), [WEATHER], True, True) == (HermesFormat().grammar([WEATHER], True), None)
     assert tools_grammar(HermesFormat(), None, True, True) == (None, None)
 
@@ -110,6 +144,7 @@ def test_the_format_comes_from_the_template() -> None:
     assert isinstance(format_for_template("{{ '[TOOL_CALLS]' }}", {"[TOOL_CALLS]": 5}.get), MistralFormat)
     assert "<[5]>" in format_for_template("[TOOL_CALLS]", {"[TOOL_CALLS]": 5}.get).grammar([WEATHER], False)
     assert isinstance(format_for_template("{{ '<|python_tag|>' }}"), Llama3Format)
+    assert format_for_template("{{ '<|python_tag|>' }}", {"<|python_tag|>": 7}.get).marker_token == 7
     assert isinstance(format_for_template("{{ messages }}"), HermesFormat)
 
 

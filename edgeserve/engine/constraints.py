@@ -20,7 +20,13 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from edgeserve.engine.json_numbers import NumberBound, NumberScanner
 from edgeserve.engine.sequence import Sequence
-from edgeserve.sampling_params import JSON_OPTIONS, InvalidParamsError, SamplingParams
+from edgeserve.sampling_params import (
+    JSON_OPTIONS,
+    OPENING_BLANKS,
+    GrammarTrigger,
+    InvalidParamsError,
+    SamplingParams,
+)
 from edgeserve.text.tokenizer import Tokenizer
 
 # A masked logit: far below any real one, finite so penalties, temperatures and logprobs stay finite.
@@ -107,6 +113,7 @@ class Constraints:
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._numbers: dict[str, NumberScanner] = {}  # where the JSON of each request whose grammar writes some stands
         self._waiting: dict[str, _Trigger] = {}  # requests whose grammar binds once their trigger is written
+        self._openings: dict[str, GrammarTrigger] = {}  # bound requests whose grammar is let go unless they open so
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="edgeserve-masks")
 
     @cached_property
@@ -116,12 +123,11 @@ class Constraints:
 
     @cached_property
     def _number_bound(self) -> NumberBound:
-        tokenizer = self.ll_tokenizer
+        return NumberBound(self._token_bytes, min(self.vocab_size, self.ll_tokenizer.vocab_size))
 
-        def token_bytes(token: int) -> bytes:
-            return b"" if tokenizer.is_special_token(token) else tokenizer.decode_bytes([token])
-
-        return NumberBound(token_bytes, min(self.vocab_size, tokenizer.vocab_size))
+    def _token_bytes(self, token: int) -> bytes:
+        """A token's text as bytes; none for a special token."""
+        return b"" if self.ll_tokenizer.is_special_token(token) else self.ll_tokenizer.decode_bytes([token])
 
     @cached_property
     def _executor(self) -> llguidance.LLExecutor:
@@ -182,10 +188,13 @@ class Constraints:
         matcher = self.compile(params)
         if matcher is None:
             return
-        if params.grammar_trigger is not None:
-            self._waiting[request_id] = _Trigger(matcher, params.grammar_trigger.encode())
+        trigger = params.grammar_trigger
+        if trigger is not None and not trigger.opening:
+            self._waiting[request_id] = _Trigger(matcher, trigger)
             return
         self._bind(request_id, matcher, params.constraint)
+        if trigger is not None:
+            self._openings[request_id] = trigger
 
     def _bind(self, request_id: str, matcher: llguidance.LLMatcher, constraint: tuple[str, str]) -> None:
         self._matchers[request_id] = matcher
@@ -198,6 +207,7 @@ class Constraints:
         self._matchers.pop(request_id, None)
         self._numbers.pop(request_id, None)
         self._waiting.pop(request_id, None)
+        self._openings.pop(request_id, None)
 
     def start_masks(self, seqs: list[Sequence]) -> Future | None:
         """Start computing the masks of the constrained rows among seqs (row i is seqs[i]); None if none is."""
@@ -252,23 +262,37 @@ class Constraints:
             return False
         if not matcher.consume_token(token):
             raise InvalidParamsError(f"the output left its grammar: {_first_line(matcher.get_error())}")
+        opening = self._openings.get(seq.request_id)
+        if opening is not None and not self._opens_with(seq.request_id, opening, token):
+            return False
         self._scan(seq.request_id, [token])
         return _finished(matcher)
+
+    def _opens_with(self, request_id: str, trigger: GrammarTrigger, token: int) -> bool:
+        """Follow the opening of a request whose grammar holds only if it opens with its trigger: False once it has
+        opened otherwise, and its grammar is let go."""
+        head = self._token_bytes(token).lstrip(OPENING_BLANKS.encode())
+        if token == trigger.token_id or (head and trigger.text is not None and head.startswith(trigger.text.encode())):
+            del self._openings[request_id]
+            return True
+        if not head and not self.ll_tokenizer.is_special_token(token):
+            return True  # blank so far: the opening is still to come
+        self.drop(request_id)
+        return False
 
     def _scan(self, request_id: str, tokens: list[int]) -> None:
         scanner = self._numbers.get(request_id)
         for token in tokens if scanner is not None else ():
-            if not self.ll_tokenizer.is_special_token(token):
-                scanner.feed(self.ll_tokenizer.decode_bytes([token]))
+            scanner.feed(self._token_bytes(token))
 
     def _watch(self, seq: Sequence, waiting: _Trigger, token: int) -> bool:
         """Note the token of a request waiting for its trigger; once written, bind the grammar from the token where
         it begins. True when the grammar is then complete."""
-        if not waiting.add(token, b"" if self.ll_tokenizer.is_special_token(token)
-                           else self.ll_tokenizer.decode_bytes([token])):
+        start = waiting.add(token, self._token_bytes(token))
+        if start is None:
             return False
         del self._waiting[seq.request_id]
-        tokens = waiting.tokens[waiting.start():]
+        tokens = waiting.tokens[start:]
         if not waiting.matcher.consume_tokens(tokens):
             raise InvalidParamsError(f"the output left its grammar: {_first_line(waiting.matcher.get_error())}")
         self._bind(seq.request_id, waiting.matcher, seq.params.constraint)
@@ -279,21 +303,23 @@ class Constraints:
 class _Trigger:
     """A request's output while its grammar waits for the trigger: its tokens and where each one's bytes start."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, trigger: bytes):
-        self.matcher, self.trigger = matcher, trigger
+    def __init__(self, matcher: llguidance.LLMatcher, trigger: GrammarTrigger):
+        self.matcher = matcher
+        self.trigger_text = trigger.text.encode() if trigger.text else None
+        self.trigger_token = trigger.token_id
         self.tokens: list[int] = []
         self.starts: list[int] = []
         self.text = bytearray()
 
-    def add(self, token: int, data: bytes) -> bool:
-        """Take the next token (its bytes); True once the trigger is written."""
+    def add(self, token: int, data: bytes) -> int | None:
+        """Take the next token (its bytes); once the trigger is written, the index of the token it begins in."""
         self.tokens.append(token)
+        if token == self.trigger_token:
+            return len(self.tokens) - 1
+        if self.trigger_text is None:
+            return None
         self.starts.append(len(self.text))
         self.text += data
         # Only the newest bytes, and the trigger's length before them, can complete it.
-        return self.trigger in self.text[max(0, self.starts[-1] - len(self.trigger)):]
-
-    def start(self) -> int:
-        """The index of the token in which the trigger begins."""
-        at = self.text.find(self.trigger)
-        return max(i for i, start in enumerate(self.starts) if start <= at)
+        at = self.text.find(self.trigger_text, max(0, self.starts[-1] - len(self.trigger_text) + 1))
+        return None if at < 0 else max(i for i, start in enumerate(self.starts) if start <= at)

@@ -14,8 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from edgeserve.sampling_params import JSON_OPTIONS
-
+from edgeserve.sampling_params import JSON_OPTIONS, OPENING_BLANKS, GrammarTrigger
 
 
 @dataclass(frozen=True)
@@ -99,6 +98,10 @@ class ToolCallFormat:
     marker = ""
     args_key = "arguments"
 
+    def __init__(self, marker_token: int | None = None):
+        # Mistral's and Llama 3's tokenizers hold the marker as one special token, which grammars name by id.
+        self.marker_token = marker_token
+
     def call_schema(self, tools: list[dict]) -> dict:
         schemas = [_tool_schema(t, self.args_key) for t in tools]
         return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
@@ -106,7 +109,7 @@ class ToolCallFormat:
     @property
     def marker_rule(self) -> str:
         """The marker in a Lark grammar."""
-        return json.dumps(self.marker)
+        return f"<[{self.marker_token}]>" if self.marker_token is not None else json.dumps(self.marker)
 
     def tail_rules(self, tools: list[dict], parallel: bool) -> str:
         """Lark rules (llguidance's dialect) whose `tail` is what follows the marker: one call of tools, or several if
@@ -117,12 +120,15 @@ class ToolCallFormat:
         """A Lark grammar whose every sentence is one call, or several if parallel, of tools."""
         return f"start: {self.marker_rule} tail\n{self.tail_rules(tools, parallel)}"
 
-    def triggered_grammar(self, tools: list[dict], parallel: bool) -> tuple[str, str] | None:
+    def triggered_grammar(self, tools: list[dict], parallel: bool) -> tuple[str, GrammarTrigger]:
         """(grammar, trigger) for an answer that may call tools: the grammar binds once the answer writes the
         trigger (the marker), from the token where it begins: any text up to the marker, then calls that follow
-        the tools' schemas. None where the marker is no text to watch for."""
+        the tools' schemas."""
+        if self.marker_token is not None:  # a special token, which no text spells: bound from it
+            return self.grammar(tools, parallel), GrammarTrigger(token_id=self.marker_token)
         lead = f"({not_containing(self.marker)})?{re.escape(self.marker)}"
-        return f"start: lead tail\nlead[lazy]: /{lead}/\n{self.tail_rules(tools, parallel)}", self.marker
+        return (f"start: lead tail\nlead[lazy]: /{lead}/\n{self.tail_rules(tools, parallel)}",
+                GrammarTrigger(text=self.marker))
 
     def write(self, calls: list[ToolCall]) -> str:
         """Calls as the model would write them (for history in templates without tool support)."""
@@ -151,24 +157,11 @@ class MistralFormat(ToolCallFormat):
     name = "mistral"
     marker = "[TOOL_CALLS]"
 
-    def __init__(self, marker_token: int | None = None):
-        # Mistral's tokenizers hold the marker as one special token, which the grammar names by id.
-        self.marker_token = marker_token
-
-    @property
-    def marker_rule(self) -> str:
-        return f"<[{self.marker_token}]>" if self.marker_token is not None else super().marker_rule
-
     def tail_rules(self, tools: list[dict], parallel: bool) -> str:
         array = {"type": "array", "items": self.call_schema(tools), "minItems": 1}
         if not parallel:
             array["maxItems"] = 1
         return f"tail: {_json_rule(array)}\n"
-
-    def triggered_grammar(self, tools: list[dict], parallel: bool) -> tuple[str, str] | None:
-        if self.marker_token is not None:  # a special token, which no text spells
-            return None
-        return super().triggered_grammar(tools, parallel)
 
     def write(self, calls: list[ToolCall]) -> str:
         items = ", ".join(f'{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}' for c in calls)
@@ -192,8 +185,14 @@ class Llama3Format(ToolCallFormat):
     def grammar(self, tools: list[dict], parallel: bool) -> str:
         return f"start: tail\n{self.tail_rules(tools, parallel)}"  # the marker is optional: left out
 
-    def triggered_grammar(self, tools: list[dict], parallel: bool) -> tuple[str, str] | None:
-        return None  # the call is the whole message, opened by a special token or by no marker at all
+    def triggered_grammar(self, tools: list[dict], parallel: bool) -> tuple[str, GrammarTrigger]:
+        """The call is the whole message, opened by the marker's token or by its object's `{`: the grammar holds
+        from the first token, and takes any other opening too (OTHER), at which the engine lets it go."""
+        blank = "".join(f"\\x{ord(ch):02x}" for ch in OPENING_BLANKS)
+        tagged = f"{self.marker_rule} GAP tail | " if self.marker_token is not None else ""
+        return (f"start: GAP ({tagged}tail | OTHER)?\nGAP: /[{blank}]*/\nOTHER: /[^{{{blank}](?s:.)*/\n"
+                f"{self.tail_rules(tools, parallel)}",
+                GrammarTrigger(text="{", token_id=self.marker_token, opening=True))
 
     def write(self, calls: list[ToolCall]) -> str:
         return "; ".join(f'{{"name": {json.dumps(c.name)}, "parameters": {c.arguments}}}' for c in calls)
@@ -207,15 +206,14 @@ class Llama3Format(ToolCallFormat):
 
 
 def tools_grammar(fmt: ToolCallFormat, tools: list[dict] | None, forced: bool,
-                  parallel: bool) -> tuple[str | None, str | None]:
+                  parallel: bool) -> tuple[str | None, GrammarTrigger | None]:
     """(grammar, trigger) of an answer offered tools: calls from the start where a call is forced, else calls that
-    follow the tools' schemas once the answer writes the trigger; (None, None) without tools, or where the format
-    has no marker to watch for (its calls are read, not bound)."""
+    follow the tools' schemas once the trigger fires; (None, None) without tools."""
     if not tools:
         return None, None
     if forced:
         return fmt.grammar(tools, parallel), None
-    return fmt.triggered_grammar(tools, parallel) or (None, None)
+    return fmt.triggered_grammar(tools, parallel)
 
 
 REASONING_END = "</think>"
@@ -242,7 +240,7 @@ def format_for_template(source: str, token_to_id: Any = None) -> ToolCallFormat:
     if "[TOOL_CALLS]" in source:
         return MistralFormat(token_to_id("[TOOL_CALLS]") if token_to_id else None)
     if "<|python_tag|>" in source or ("ipython" in source and '"parameters"' in source):
-        return Llama3Format()
+        return Llama3Format(token_to_id("<|python_tag|>") if token_to_id else None)
     return HermesFormat()
 
 

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from edgeserve.sampling_params import SamplingDefaults, SamplingParams
+from edgeserve.sampling_params import GrammarTrigger, SamplingDefaults, SamplingParams
 from edgeserve.server.openai.protocol import MAX_MESSAGES, Text, at_most, check_unique_names, offered
 
 
@@ -184,9 +184,10 @@ class MessagesRequest(_Prompt):
             raise ValueError("stop sequences must not be empty")
         return value
 
-    def sampling_params(self, grammar: str | None, trigger: str | None, defaults: SamplingDefaults) -> SamplingParams:
-        """The engine's parameters; grammar: the Lark grammar of the tool calls, bound once the answer writes
-        trigger where one is given."""
+    def sampling_params(self, grammar: str | None, trigger: GrammarTrigger | None,
+                        defaults: SamplingDefaults) -> SamplingParams:
+        """The engine's parameters; grammar: the Lark grammar of the tool calls, bound once trigger fires where one
+        is given."""
         sampling = defaults.apply({"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k})
         return SamplingParams(max_tokens=self.max_tokens, **sampling, stop=list(self.stop_sequences or []),
                               grammar=grammar, grammar_trigger=trigger)

@@ -19,7 +19,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from edgeserve.sampling_params import MAX_STOP_STRINGS, SamplingDefaults, SamplingParams
+from edgeserve.sampling_params import MAX_STOP_STRINGS, GrammarTrigger, SamplingDefaults, SamplingParams
 from edgeserve.server.errors import APIError
 
 MAX_N = 64
@@ -116,11 +116,12 @@ class _GenerationRequest(_Body):
         return {"json_schema": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar"}.get(param, param)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, grammar: str | None = None,
-                        defaults: SamplingDefaults | None = None, trigger: str | None = None) -> SamplingParams:
+                        defaults: SamplingDefaults | None = None,
+                        trigger: GrammarTrigger | None = None) -> SamplingParams:
         """Raises InvalidParamsError (with the offending field) on values the engine refuses.
 
         grammar: a Lark grammar the server adds (the tool calls' grammar, where the request offers tools), bound
-        once the answer writes trigger where one is given.
+        once trigger fires where one is given.
         defaults: the model's sampling defaults, for the fields the request leaves out.
         """
         greedy = self.top_p == 0  # top_p 0 keeps only the most likely token
@@ -611,10 +612,10 @@ class ResponsesRequest(_Body):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)
 
-    def sampling_params(self, max_tokens: int, grammar: str | None, trigger: str | None,
+    def sampling_params(self, max_tokens: int, grammar: str | None, trigger: GrammarTrigger | None,
                         defaults: SamplingDefaults) -> SamplingParams:
-        """The engine's parameters; grammar: the Lark grammar of the tool calls, bound once the answer writes
-        trigger where one is given."""
+        """The engine's parameters; grammar: the Lark grammar of the tool calls, bound once trigger fires where one
+        is given."""
         sampling = defaults.apply({"temperature": self.temperature, "top_p": self.top_p})
         return SamplingParams(max_tokens=max_tokens, **sampling, json_schema=self.output_schema, grammar=grammar,
                               grammar_trigger=trigger)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from fastapi import APIRouter, Request
 
-from edgeserve.sampling_params import InvalidParamsError, SamplingParams
+from edgeserve.sampling_params import GrammarTrigger, InvalidParamsError, SamplingParams
 from edgeserve.server.errors import APIError
 from edgeserve.server.json_body import json_answer
 from edgeserve.server.openai.protocol import (
@@ -54,9 +54,9 @@ class _OpenAI:
 
     @staticmethod
     async def _params(model: ServedModel, body: ChatCompletionRequest | CompletionRequest, max_tokens: int,
-                      logprobs: int | None, grammar: str | None = None, trigger: str | None = None,
+                      logprobs: int | None, grammar: str | None = None, trigger: GrammarTrigger | None = None,
                       in_reasoning: bool = False) -> SamplingParams:
-        """The body's sampling parameters, with their grammar compiled (bound once the answer writes trigger, or
+        """The body's sampling parameters, with their grammar compiled (bound once trigger fires, or
         after the reasoning section the prompt opened); a 400 naming the field at fault."""
         try:
             params = body.sampling_params(max_tokens, logprobs, grammar, model.aengine.info.sampling_defaults, trigger)
