@@ -16,6 +16,7 @@ from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.engine.output import RequestOutput
 from edgeserve.engine.prompts import Prompts
+from edgeserve.engine.sampler import token_logprobs
 from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.sampling_params import SamplingParams
 
@@ -239,6 +240,25 @@ def test_stop_token_and_logprobs(engine, prompts):
     assert done.text == engine.tokenizer.decode(greedy_ids[: cut - 1], skip_special_tokens=True)  # stop token: no text
     assert [e["token"] for e in done.logprobs] == done.token_ids
     assert all(len(e["top"]) == 2 and e["top"][0][0] == e["token"] and e["logprob"] <= 0 for e in done.logprobs)
+
+
+def test_a_step_takes_the_logprobs_of_its_rows_in_one_pass(tiny_model, prompts, monkeypatch):
+    engine = make_engine(tiny_model)
+    passes: list[int] = []
+
+    def counted(logits: np.ndarray, tokens: list[int], tops: list[int]) -> list[dict]:
+        passes.append(len(tokens))
+        return token_logprobs(logits, tokens, tops)
+
+    monkeypatch.setattr("edgeserve.engine.llm_engine.token_logprobs", counted)
+    asking = [engine.add_request(prompts[i], SamplingParams(max_tokens=5, temperature=1.0, seed=i, ignore_eos=True,
+                                                            logprobs=i % 3)) for i in range(6)]
+    engine.add_request(prompts[6], GREEDY)  # no logprobs: left out of the pass
+    done = engine.run_to_completion()
+    # every step ran one pass over the six rows asking, each request got an entry a token with its own top count
+    assert passes == [6] * 5
+    assert all(len(done[rid].logprobs) == 5 and all(len(e["top"]) == i % 3 for e in done[rid].logprobs)
+               for i, rid in enumerate(asking))
 
 
 def test_kv_map_and_stats_report_the_block_manager(engine, prompts):

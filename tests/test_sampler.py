@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from edgeserve.engine.sampler import LOGIT_LIMIT, keep_top_p, sample, sample_row
+from edgeserve.engine.constraints import MASKED_LOGIT
+from edgeserve.engine.sampler import LOGIT_LIMIT, keep_top_p, sample, sample_row, token_logprobs
 from edgeserve.engine.sequence import Sequence
 from edgeserve.sampling_params import SamplingParams
 
@@ -56,3 +57,21 @@ def test_a_row_with_every_token_masked_fails_alone():
     tokens, failed = sample(np.stack([masked, free]), seqs)
     assert list(failed) == [0] and "no token is allowed" in failed[0]
     assert 0 <= tokens[1] < 64
+
+
+def test_logprobs_of_a_batch_match_a_float64_log_softmax_row_by_row():
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((6, 49152)) * 4).astype(np.float32)
+    logits[2, 100:] = MASKED_LOGIT  # a grammar's row: only the first 100 tokens allowed
+    logits[3, :] = logits[3, 0]  # ties everywhere
+    tokens, tops = [7, 11, 50, 3, 0, 49151], [20, 0, 5, 4, 1, 20]
+    entries = token_logprobs(logits, tokens, tops)
+    for row, (entry, token, top) in enumerate(zip(entries, tokens, tops)):
+        x = logits[row].astype(np.float64)
+        reference = x - x.max() - np.log(np.exp(x - x.max()).sum())
+        assert entry["token"] == token and entry["logprob"] == pytest.approx(reference[token], abs=1e-6)
+        ids = [t for t, _ in entry["top"]]
+        assert len(ids) == top and len(set(ids)) == top
+        assert [lp for _, lp in entry["top"]] == pytest.approx(sorted(reference[ids], reverse=True), abs=1e-6)
+        if row != 3:  # the likeliest, in order (with ties everywhere, any of them)
+            assert ids == np.argsort(-reference, kind="stable")[:top].tolist()

@@ -18,7 +18,7 @@ from edgeserve.engine.constraints import Constraints
 from edgeserve.engine.kv_budget import size_pool
 from edgeserve.engine.model_runner import ModelRunner
 from edgeserve.engine.output import Completion, OutputProcessor, RequestOutput, merge_outputs
-from edgeserve.engine.sampler import check_guess, sample
+from edgeserve.engine.sampler import check_guess, sample, token_logprobs
 from edgeserve.engine.scheduler import ScheduledSeq, Scheduler
 from edgeserve.engine.sequence import Sequence
 from edgeserve.engine.speculative import Speculator
@@ -214,6 +214,7 @@ class LLMEngine:
         unmasked = self.constraints.apply(plain_logits, masks, plain)
         tokens, failed = sample(plain_logits, plain)
         failed = {**failed, **unmasked}
+        logprobs = self._logprobs(plain_logits, plain, tokens)
         self._update(scheduled)
         outputs = []
         row = iter(range(len(plain)))
@@ -222,7 +223,7 @@ class LLMEngine:
                 outputs.append(self._check_draft(item, logits[first : first + 1 + len(item.draft)]))
             else:
                 i = next(row)
-                outputs.append(self._output(item.seq, tokens[i], plain_logits[i], failed.get(i)))
+                outputs.append(self._output(item.seq, tokens[i], logprobs.get(i), failed.get(i)))
         self._count_outputs(sum(len(out.token_ids) for out in outputs))
         return outputs
 
@@ -263,11 +264,21 @@ class LLMEngine:
             seq.num_computed_tokens += item.num_new_tokens - len(item.draft)
             self.block_manager.register_full_blocks(seq)
 
-    def _output(self, seq: Sequence, token: int, logits_row: np.ndarray, error: str | None) -> RequestOutput:
+    @staticmethod
+    def _logprobs(logits: np.ndarray, seqs: list[Sequence], tokens: list[int]) -> dict[int, dict]:
+        """The logprobs entries of the rows (row i is seqs[i], which sampled tokens[i]) whose requests ask for them,
+        by row: those rows at once."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if not rows:
+            return {}
+        entries = token_logprobs(logits[rows], [tokens[i] for i in rows], [seqs[i].params.logprobs for i in rows])
+        return dict(zip(rows, entries))
+
+    def _output(self, seq: Sequence, token: int, logprob: dict | None, error: str | None) -> RequestOutput:
         """Append a sampled token; a finished request leaves the scheduler, and so does a failed one, alone."""
         if error is None:
             try:
-                out = self._append(seq, token, logits_row)
+                out = self._append(seq, token, logprob)
             except Exception as exc:  # detokenizing one request must not fail the batch
                 error = f"output failed: {exc}"
         if error is not None:
@@ -286,7 +297,7 @@ class LLMEngine:
             for i, row in enumerate(rows):
                 guess = draft[i] if i < len(draft) else None
                 token = check_guess(row, seq, guess)
-                outs.append(self._append(seq, token, row))
+                outs.append(self._append(seq, token, self._logprobs(row[None], [seq], [token]).get(0)))
                 if token != guess:
                     break
                 accepted += 1
@@ -306,10 +317,10 @@ class LLMEngine:
         self.block_manager.trim(seq)
         return out
 
-    def _append(self, seq: Sequence, token: int, logits_row: np.ndarray) -> RequestOutput:
+    def _append(self, seq: Sequence, token: int, logprob: dict | None) -> RequestOutput:
         seq.token_ids.append(token)
         grammar_complete = self.constraints.accept(seq, token)
-        return self.output.process(seq, token, logits_row, grammar_complete)
+        return self.output.process(seq, token, logprob, grammar_complete)
 
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

@@ -10,9 +10,6 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from edgeserve.engine.sampler import token_logprobs
 from edgeserve.engine.sequence import Sequence
 from edgeserve.text.detokenizer import IncrementalDetokenizer
 from edgeserve.text.tokenizer import Tokenizer
@@ -139,14 +136,15 @@ class OutputProcessor:
         state = self._states.get(request_id)
         return None if state is None else state.seq
 
-    def process(self, seq: Sequence, token: int, logits_row: np.ndarray, grammar_complete: bool = False
+    def process(self, seq: Sequence, token: int, logprob: dict | None = None, grammar_complete: bool = False
                 ) -> RequestOutput:
-        """The output for the token just sampled for seq (from logits_row), with logprobs if asked for.
+        """The output for the token just sampled for seq, with its logprobs entry (`sampler.token_logprobs`) where
+        the request asks for them.
 
         grammar_complete: the token completed seq's grammar, which ends the request.
         """
         p = seq.params
-        logprobs = [] if p.logprobs is None else [token_logprobs(logits_row, token, p.logprobs)]
+        logprobs = [] if logprob is None else [logprob]
         stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.eos_token_ids)
         state = self._states[seq.request_id]
         state.add_token(token, stop_token, grammar_complete, self.max_model_len)

@@ -10,11 +10,6 @@ from edgeserve.engine.sequence import Sequence
 LOGIT_LIMIT = 1e30
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
 def apply_penalties(logits: np.ndarray, seq: Sequence) -> np.ndarray:
     """Logit bias, then repetition (over the last repeat_last_n tokens of prompt and output, multiplicative),
     frequency and presence (over output) penalties."""
@@ -138,11 +133,25 @@ def sample(logits: np.ndarray, seqs: list[Sequence]) -> tuple[list[int], dict[in
     return tokens, failed
 
 
-def token_logprobs(logits_row: np.ndarray, token: int, top: int) -> dict:
-    """The chosen token's log-probability and the `top` most likely alternatives."""
-    lp = log_softmax(logits_row.astype(np.float64))
-    top_ids = np.array([], dtype=np.int64)
-    if top:  # the top few out of the vocabulary, then only those sorted: a full argsort a token stalled the batch
-        top_ids = np.argpartition(-lp, top - 1)[:top] if top < lp.size else np.arange(lp.size)
-        top_ids = top_ids[np.argsort(-lp[top_ids], kind="stable")]
-    return {"token": token, "logprob": float(lp[token]), "top": [(int(t), float(lp[t])) for t in top_ids]}
+def token_logprobs(logits: np.ndarray, tokens: list[int], tops: list[int]) -> list[dict]:
+    """Each row's chosen token's log-probability and its `tops[i]` most likely alternatives, rows [R, vocab] at once.
+
+    Row by row, each row's normalizer and top few cost a step of many such rows more than the model's head: here
+    one pass over the batch each (exponentials in float32, vectorized, summed in float64), and only the chosen
+    and top tokens' logprobs are formed.
+    """
+    x = logits.astype(np.float32, copy=False)
+    peak = x.max(axis=1, keepdims=True)
+    normalizer = peak[:, 0].astype(np.float64) + np.log(np.exp(x - peak).sum(axis=1, dtype=np.float64))
+    chosen = (x[np.arange(len(tokens)), tokens] - normalizer).tolist()
+    k = min(max(tops), x.shape[1])
+    top_ids: list[list[int]] = [[] for _ in tokens]
+    top_lps: list[list[float]] = [[] for _ in tokens]
+    if k:  # the top k of each row by partition, then only those sorted
+        ids = np.argpartition(x, -k, axis=1)[:, -k:]
+        values = np.take_along_axis(x, ids, axis=1)
+        order = np.argsort(-values, axis=1, kind="stable")
+        top_ids = np.take_along_axis(ids, order, axis=1).tolist()
+        top_lps = (np.take_along_axis(values, order, axis=1) - normalizer[:, None]).tolist()
+    return [{"token": token, "logprob": lp, "top": list(zip(ids_[:top], lps[:top]))}
+            for token, lp, top, ids_, lps in zip(tokens, chosen, tops, top_ids, top_lps)]
