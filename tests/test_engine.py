@@ -126,6 +126,16 @@ def test_prefix_cache_hit_skips_prefill(engine, prompts):
     assert_no_leaks(engine)
 
 
+def test_the_answers_of_one_prompt_share_its_prefill_and_are_those_of_lone_requests(tiny_model, prompts):
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
+    alone = [run_all(make_engine(tiny_model), {0: [("a", prompts[3], p)]})["a"] for p in params]
+    engine = make_engine(tiny_model)
+    together = run_all(engine, {0: [(f"t{i}", prompts[3], p) for i, p in enumerate(params)]})
+    assert [together[f"t{i}"] for i in range(4)] == alone
+    # the prompt computed once, and its last token once more for each other answer's own first token
+    assert engine.stats().prompt_tokens_computed == len(prompts[3]) + 3
+
+
 def test_preemption_keeps_outputs(tiny_model, prompts):
     # 12 blocks of 16 tokens: room for the longest request alone, far too little for all four at once
     engine = make_engine(tiny_model, kv_memory=12 * 16 * TINY_BYTES_PER_TOKEN, enable_prefix_caching=False)

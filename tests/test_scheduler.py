@@ -125,8 +125,8 @@ def test_a_proposer_learns_the_steps_rows_and_its_drafts_take_budget():
         return [5, 5] if seq.request_id == "a" else []
 
     scheduler = Scheduler(BlockManager(num_blocks=32, block_size=4), max_num_batched_tokens=16, propose=propose)
-    for name in "abc":
-        scheduler.add(Sequence(name, [1, 2, 3], PARAMS))
+    for i, name in enumerate("abc"):
+        scheduler.add(Sequence(name, [1 + i, 2, 3], PARAMS))  # distinct prompts: equal ones share one prefill
     advance(scheduler)  # the prompts: nobody decodes yet, so nobody is asked
     assert calls == []
     step = scheduler.schedule()
@@ -134,3 +134,21 @@ def test_a_proposer_learns_the_steps_rows_and_its_drafts_take_budget():
         ("a", 3, [5, 5]), ("b", 1, []), ("c", 1, [])]
     # room: the budget less a row for each decode still due; rows: the step's without the asker's draft
     assert calls == [("a", 13, 3, 3), ("b", 11, 5, 3), ("c", 11, 5, 3)]
+
+
+def test_the_answers_of_one_prompt_compute_it_once():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    scheduler = Scheduler(bm, max_num_batched_tokens=64)
+    prompt = list(range(10, 20))  # two full blocks and two tokens
+    first, *rest = [Sequence(f"n{i}", list(prompt), PARAMS) for i in range(4)]
+    for seq in (first, *rest):
+        scheduler.add(seq)
+    # the prompt once: the other answers wait for it rather than compute it too
+    assert [(item.seq, item.num_new_tokens) for item in advance(scheduler)] == [(first, 10)]
+    # then each computes only the prompt's last token, for its own first token, on the first one's blocks; the
+    # block that token falls in is copied for each (the first one writes its next token there)
+    assert [(item.seq, item.num_new_tokens) for item in advance(scheduler)] == [(first, 1)] + [(s, 1) for s in rest]
+    assert all(s.block_table[:2] == first.block_table[:2] and s.block_table[2] != first.block_table[2] for s in rest)
+    assert len({s.block_table[2] for s in rest}) == 3 and bm.ref_count[first.block_table[0]] == 4
+    assert [dst for _, dst in bm.take_pending_copies()] == [s.block_table[2] for s in rest]
+    assert all(s.num_output_tokens == 1 and s.num_cached_tokens == 9 for s in rest)

@@ -190,6 +190,25 @@ class BlockManager:
                 self.free[b] = None
         del seq.block_table[keep:]
 
+    def share_prompt(self, source: Sequence, seq: Sequence, num_new_tokens: int) -> bool:
+        """Start seq on the blocks of source, whose prompt is seq's, holding all of it but its last token, and make
+        room for seq's next num_new_tokens from there (that token is computed again for seq's own logits, into a copy
+        of the block it falls in where that is shared); False (and nothing changed) when the pool is short."""
+        bs = self.block_size
+        computed = seq.num_prompt_tokens - 1
+        shared = blocks_for(computed, bs)
+        fresh = blocks_for(computed + num_new_tokens, bs) - shared + (computed % bs != 0)
+        if fresh > self.num_free:
+            return False
+        for b in source.block_table[:shared]:
+            self._ref(b)
+        seq.block_table = source.block_table[:shared]
+        seq.block_hashes = source.block_hashes[: computed // bs]
+        seq.num_computed_tokens = seq.num_cached_tokens = computed
+        self.query_tokens += seq.num_tokens
+        self.hit_tokens += computed
+        return self.allocate_slots(seq, num_new_tokens)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let child share every block of parent (copy-on-write when either writes a shared block)."""
         for b in parent.block_table:

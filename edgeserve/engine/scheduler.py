@@ -119,19 +119,34 @@ class Scheduler:
         # a static batch is admitted whole, then its prefills share the budget over the next steps
         while self.waiting and (budget > 0 or self.static_batching) and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.bm.match_prefix(seq) if not seq.block_table else []
-            n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
-            if not self.bm.can_admit(seq, hits, n):
-                break
+            twin = self._twin(seq) if not (seq.block_table or self.static_batching) else None
+            if twin is not None and twin.num_computed_tokens < twin.num_prompt_tokens:
+                break  # the same prompt is being computed (a request's n answers): share it once it is
+            if twin is not None:
+                n = min(seq.num_tokens - seq.num_prompt_tokens + 1, budget)
+                if not self.bm.share_prompt(twin, seq, n):
+                    break
+            else:
+                hits = self.bm.match_prefix(seq) if not seq.block_table else []
+                n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
+                if not self.bm.can_admit(seq, hits, n):
+                    break
+                self.bm.admit(seq, hits)
+                self.bm.allocate_slots(seq, n)
             self.waiting.popleft()
-            self.bm.admit(seq, hits)
-            self.bm.allocate_slots(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if n:
                 out.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def _twin(self, seq: Sequence) -> Sequence | None:
+        """A running sequence with seq's prompt, the furthest on (a prefix cache sees only full blocks, and only once
+        computed: the answers of one prompt admitted together would each compute it all)."""
+        twins = [s for s in self.running
+                 if s.num_prompt_tokens == seq.num_prompt_tokens and s.prompt_ids == seq.prompt_ids]
+        return max(twins, key=lambda s: s.num_computed_tokens, default=None)
 
     def _draft(self, seq: Sequence, budget: int, decodes_left: int, decodes: int) -> list[int]:
         """A draft for decoding seq, its slots allocated; [] where there is none or the pool is short (a guess
