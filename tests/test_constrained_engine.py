@@ -57,7 +57,8 @@ def test_a_grammar_is_compiled_once_and_a_bad_one_is_refused(loaded_model) -> No
     engine = LLMEngine(loaded_model, backend="numpy", kv_memory="32MiB")
     params = SamplingParams(max_tokens=8, json_schema=SCHEMA)
     first = engine.constraints.compile(params)
-    assert engine.constraints.compile(SamplingParams(json_schema=json.dumps(SCHEMA, ensure_ascii=False))) is not first
+    text = json.dumps(SCHEMA, ensure_ascii=False, separators=(",", ":"))
+    assert engine.constraints.compile(SamplingParams(json_schema=text)) is not first
     assert engine.constraints.num_compiled == 1  # one grammar text, one compilation; each request its own matcher
     for bad, param in ((dict(regex="a[b"), "regex"), (dict(grammar="start: nothing_here"), "grammar"),
                        (dict(json_schema={"type": "bogus"}), "json_schema"), (dict(json_schema="[1"), "json_schema")):

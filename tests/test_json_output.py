@@ -69,7 +69,7 @@ def test_the_bound_forbids_only_the_digits_that_pass_it() -> None:
 def test_a_schema_keeps_its_written_key_order_in_the_grammar_text() -> None:
     kind, source = SamplingParams(json_schema=REASONING_FIRST).constraint
     assert kind == "json_schema" and list(json.loads(source)["properties"]) == ["reasoning", "answer"]
-    assert source == json.dumps(REASONING_FIRST, ensure_ascii=False)
+    assert source == json.dumps(REASONING_FIRST, ensure_ascii=False, separators=(",", ":"))
 
 
 @pytest.fixture(scope="module")

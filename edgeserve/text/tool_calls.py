@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from edgeserve.sampling_params import JSON_OPTIONS, OPENING_BLANKS, GrammarTrigger
+from edgeserve.sampling_params import JSON_OPTIONS, OPENING_BLANKS, GrammarTrigger, schema_text
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def not_containing(marker: str) -> str:
 
 def _json_rule(schema: dict) -> str:
     """A Lark rule for JSON following schema, written as the engine writes JSON (JSON_OPTIONS)."""
-    return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS}, ensure_ascii=False)}"
+    return f"%json {schema_text({**schema, 'x-guidance': JSON_OPTIONS})}"
 
 
 class ToolCallFormat:
