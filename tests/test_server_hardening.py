@@ -138,6 +138,40 @@ def test_tokenizing_does_not_block_the_event_loop(server: ServerThread, monkeypa
     assert took < 0.6, f"/health waited {took:.1f}s on a tokenizing request"
 
 
+def test_a_large_body_is_parsed_off_the_event_loop(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    loads = json.loads
+
+    def slow_loads(text: str | bytes, **kwargs: object) -> object:
+        if b"parse me slowly" in (text if isinstance(text, bytes) else text.encode()):
+            time.sleep(1)  # as the bodies of eight schemas of 15,000 properties take, parsed back to back
+        return loads(text, **kwargs)
+
+    monkeypatch.setattr(json, "loads", slow_loads)
+    body = json.dumps({"prompt": "parse me slowly " * 5000, "max_tokens": 1}).encode()  # 80 kB
+    slow = threading.Thread(target=http.post, args=(server.url + "/v1/completions",),
+                            kwargs={"content": body, "headers": {"content-type": "application/json"}})
+    slow.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    assert http.get(server.url + "/health").status_code == 200
+    took = time.monotonic() - start
+    slow.join()
+    assert took < 0.5, f"/health waited {took:.1f}s on a body being parsed"
+
+
+@pytest.mark.parametrize("body", [b'{"prompt": "hi", "max_tokens": 1', b'{"prompt": "a\\ud800b", "max_tokens": 1}',
+                                  b'{"prompt": "hi", "max_tokens": 1, "n": NaN}'])
+def test_a_large_body_is_read_as_a_small_one(server: ServerThread, body: bytes) -> None:
+    def answer(content: bytes) -> tuple[int, dict]:
+        resp = http.post(server.url + "/v1/completions", content=content, headers={"content-type": "application/json"})
+        return resp.status_code, resp.json()["error"]
+
+    # bad JSON, a lone surrogate (which json takes, to refuse it by name), a NaN: padded past the size parsed in
+    # place, each is answered the same
+    (status, error), (large_status, large_error) = answer(body), answer(body + b" " * json_body.PARSE_IN_PLACE_BYTES)
+    assert status == large_status == 400 and error == large_error
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 5}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),

@@ -1,6 +1,6 @@
 """The HTTP server: `app` (create_app, admission), one package per API family (`openai`), edgeserve's own
 routes (`status`), `middleware`, `errors`, `generation` (one API request as engine requests), `json_body`
-(non-streamed answers made off the event loop), `connections`, `metrics`, `shutdown`.
+(large request bodies parsed, and non-streamed answers made, off the event loop), `connections`, `metrics`, `shutdown`.
 
 The limits the `serve` command offers as options are defined here, where its --help reads them without
 importing the server (FastAPI, uvicorn).

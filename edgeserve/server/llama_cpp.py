@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgeserve.server.errors import APIError
+from edgeserve.server.json_body import JsonBodyRoute
 
 if TYPE_CHECKING:
     from edgeserve.server.app import Server
@@ -31,7 +32,7 @@ class DetokenizeRequest(BaseModel):
 def router(server: Server) -> APIRouter:
     """The routes, on the tokenizer of the model a body names (`model`, which llama.cpp's server has no use for),
     else the default model's."""
-    routes = APIRouter()
+    routes = APIRouter(route_class=JsonBodyRoute)
 
     async def tokenize(body: TokenizeRequest) -> dict:
         model, _ = await server.model(body.model)

@@ -14,7 +14,7 @@ from edgeserve.sampling_params import InvalidParamsError
 from edgeserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from edgeserve.server.anthropic.responses import MessageResponse, event_stream
 from edgeserve.server.errors import APIError
-from edgeserve.server.json_body import json_answer
+from edgeserve.server.json_body import JsonBodyRoute, json_answer
 from edgeserve.text.tool_calls import tools_grammar
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def router(server: Server) -> APIRouter:
     """The routes, on `server`'s models."""
     api = _Anthropic(server)
-    routes = APIRouter(prefix="/v1")
+    routes = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
     routes.add_api_route("/messages", api.messages, methods=["POST"], response_model=None)
     routes.add_api_route("/messages/count_tokens", api.count_tokens, methods=["POST"], response_model=None)
     return routes

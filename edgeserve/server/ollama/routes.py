@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from fastapi.routing import APIRoute
 
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import CATALOG, pull
 from edgeserve.sampling_params import InvalidParamsError, SamplingParams
 from edgeserve.server.errors import APIError
 from edgeserve.server.generation import Generation
+from edgeserve.server.json_body import JsonBodyRoute
 from edgeserve.server.models import FOREVER
 from edgeserve.server.ollama.protocol import (
     Body,
@@ -49,7 +49,7 @@ NS = 1_000_000_000
 FAR_FUTURE = "9999-12-31T23:59:59Z"  # /api/ps's expiry of a model that stays (kept for ever, or in use)
 
 
-class _AnyContentType(APIRoute):
+class _AnyContentType(JsonBodyRoute):
     """Ollama reads every body as JSON whatever its Content-Type says (`curl -d`, as its docs use, sends a form's):
     so do these routes."""
 

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 
 from edgeserve.sampling_params import GrammarTrigger, InvalidParamsError, SamplingParams
 from edgeserve.server.errors import APIError
-from edgeserve.server.json_body import json_answer
+from edgeserve.server.json_body import JsonBodyRoute, json_answer
 from edgeserve.server.openai.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 def router(server: Server) -> APIRouter:
     """The routes, on `server`'s models."""
     api = _OpenAI(server)
-    routes = APIRouter(prefix="/v1")
+    routes = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
     routes.add_api_route("/models", api.list_models, methods=["GET"], response_model=None)
     routes.add_api_route("/models/{model_id:path}", api.model, methods=["GET"], response_model=None)
     routes.add_api_route("/chat/completions", api.chat_completions, methods=["POST"], response_model=None)
