@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -119,6 +119,18 @@ def test_text_far_beyond_the_context_is_refused_untokenized(server: ServerThread
     assert "characters" in message
 
 
+def _health_time_during(server: ServerThread, send: Callable[[], object], lead: float) -> float:
+    """Seconds /health takes to answer, asked `lead` seconds after `send` (a slow request) started on a thread."""
+    slow = threading.Thread(target=send)
+    slow.start()
+    time.sleep(lead)
+    start = time.monotonic()
+    assert http.get(server.url + "/health").status_code == 200
+    took = time.monotonic() - start
+    slow.join()
+    return took
+
+
 def test_tokenizing_does_not_block_the_event_loop(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     encode = Tokenizer.encode
 
@@ -127,14 +139,8 @@ def test_tokenizing_does_not_block_the_event_loop(server: ServerThread, monkeypa
         return encode(self, *args, **kwargs)
 
     monkeypatch.setattr(Tokenizer, "encode", slow_encode)
-    slow = threading.Thread(target=http.post, args=(server.url + "/v1/completions",),
-                            kwargs={"json": {"prompt": "hi", "max_tokens": 1}})
-    slow.start()
-    time.sleep(0.3)
-    start = time.monotonic()
-    assert http.get(server.url + "/health").status_code == 200
-    took = time.monotonic() - start
-    slow.join()
+    took = _health_time_during(server, lambda: http.post(server.url + "/v1/completions",
+                                                         json={"prompt": "hi", "max_tokens": 1}), 0.3)
     assert took < 0.6, f"/health waited {took:.1f}s on a tokenizing request"
 
 
@@ -148,14 +154,8 @@ def test_a_large_body_is_parsed_off_the_event_loop(server: ServerThread, monkeyp
 
     monkeypatch.setattr(json, "loads", slow_loads)
     body = json.dumps({"prompt": "parse me slowly " * 5000, "max_tokens": 1}).encode()  # 80 kB
-    slow = threading.Thread(target=http.post, args=(server.url + "/v1/completions",),
-                            kwargs={"content": body, "headers": {"content-type": "application/json"}})
-    slow.start()
-    time.sleep(0.3)
-    start = time.monotonic()
-    assert http.get(server.url + "/health").status_code == 200
-    took = time.monotonic() - start
-    slow.join()
+    took = _health_time_during(server, lambda: http.post(server.url + "/v1/completions", content=body,
+                                                         headers={"content-type": "application/json"}), 0.3)
     assert took < 0.5, f"/health waited {took:.1f}s on a body being parsed"
 
 
@@ -187,13 +187,7 @@ def test_a_non_streamed_body_is_built_and_encoded_off_the_event_loop(server: Ser
 
     monkeypatch.setattr(json_body, "_encode", slow_encode)
     answers: list[httpx.Response] = []
-    slow = threading.Thread(target=lambda: answers.append(http.post(server.url + path, json=body)))
-    slow.start()
-    time.sleep(0.5)
-    start = time.monotonic()
-    assert http.get(server.url + "/health").status_code == 200
-    took = time.monotonic() - start
-    slow.join()
+    took = _health_time_during(server, lambda: answers.append(http.post(server.url + path, json=body)), 0.5)
     assert took < 0.4, f"/health waited {took:.1f}s on a body being encoded"
     assert answers[0].status_code == 200 and answers[0].json()["usage"]["completion_tokens"] == 2
 
