@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 WORKLOADS = ("single", "mixed", "sweep", "prefix", "speculative", "all")
 SWEEP = "1,4,8,16,32,64"
+SWEEP_TOKENS = 128  # prompt and output tokens of a sweep stream, as llama-batched-bench -npp 128 -ntg 128
 
 
 # words in figure names, as a table shows them
@@ -75,6 +76,10 @@ def _print_table(title: str, runs: list[dict]) -> None:
 @click.option("--max-output", default=512, show_default=True, help="Longest output in the mixed workload.")
 @click.option("--streams", default=SWEEP, show_default=True,
               help="Concurrent stream counts of the sweep, comma-separated.")
+@click.option("--context", type=click.IntRange(min=SWEEP_TOKENS), default=SWEEP_TOKENS, show_default=True,
+              help=f"Tokens each sweep stream holds when it starts decoding: past {SWEEP_TOKENS}, a shared prefix "
+                   f"computed once (then read from the prefix cache) and {SWEEP_TOKENS} of its own, so each step reads "
+                   f"that much K/V per stream.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--url", default=None, help="Benchmark this OpenAI-compatible server instead of the in-process engine.")
 @click.option("--concurrency", default=16, show_default=True, help="Concurrent clients with --url.")
@@ -82,7 +87,8 @@ def _print_table(title: str, runs: list[dict]) -> None:
 @click.option("--served-model", default=None, help="Model name to send with --url (default: the server's first).")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON on stdout.")
 def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
-              num_requests: int, max_output: int, streams: str, seed: int, url: str | None, concurrency: int, api_key: str | None,
+              num_requests: int, max_output: int, streams: str, context: int, seed: int, url: str | None, concurrency: int,
+              api_key: str | None,
               served_model: str | None, as_json: bool) -> None:
     """Measure throughput, TTFT, time per output token, KV use and prefix-cache hits."""
     # the workloads and the engine import NumPy and the kernels: loaded when a benchmark runs, not for --help
@@ -92,6 +98,8 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
 
     if url and workload == "speculative":
         raise click.UsageError("the speculative workload compares the in-process engine's modes; leave out --url")
+    if url and context > SWEEP_TOKENS:
+        raise click.UsageError("--context shapes the in-process sweep; leave out --url")
     loaded = load_model(model)
     tok = loaded.tokenizer
     results: dict[str, object] = {"model": loaded.source.name}
@@ -129,10 +137,15 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
     if workload in ("sweep", "all"):
         rows = []
         for n in _stream_counts(streams):
-            requests = workloads.uniform_workload(tok, n, 128, 128, seed)
             e = LLMEngine(loaded, config, max_num_seqs=max(n, max_batch), max_num_batched_tokens=max(512, n))
+            if context > SWEEP_TOKENS:
+                requests = workloads.shared_prefix_workload(tok, n, context - SWEEP_TOKENS, SWEEP_TOKENS, SWEEP_TOKENS,
+                                                            seed)
+                workloads.run_engine(e, [dataclasses.replace(requests[0], max_tokens=1)], "shared prefix")
+            else:
+                requests = workloads.uniform_workload(tok, n, SWEEP_TOKENS, SWEEP_TOKENS, seed)
             r = workloads.run_engine(e, requests, f"{n} stream{'s' if n > 1 else ''}").summary()
-            rows.append({"streams": n, "decode_tokens_per_s": r["decode_tokens_per_s"],
+            rows.append({"streams": n, "context": context, "decode_tokens_per_s": r["decode_tokens_per_s"],
                          "output_tokens_per_s": r["output_tokens_per_s"], "tpot_p50_s": r["tpot_p50_s"]})
         results["sweep"] = rows
     if workload in ("prefix", "all"):
@@ -166,7 +179,7 @@ def _bench_server(url: str, workload: str, tok: Tokenizer, num_requests: int, ma
     if workload in ("sweep", "all"):
         rows = []
         for n in _stream_counts(streams):
-            r = send(workloads.uniform_workload(tok, n, 128, 128, seed), n).summary()
+            r = send(workloads.uniform_workload(tok, n, SWEEP_TOKENS, SWEEP_TOKENS, seed), n).summary()
             rows.append({"streams": n, "output_tokens_per_s": r["output_tokens_per_s"], "tpot_p50_s": r["tpot_p50_s"]})
         results["sweep"] = rows
     if workload in ("prefix", "all"):

@@ -1,4 +1,4 @@
-"""`edgeserve convert` (quantize into an MLX-format folder) and `edgeserve eval perplexity`."""
+"""`edgeserve convert` (quantize into an MLX-format folder), `edgeserve eval perplexity` and `edgeserve eval kv`."""
 
 from __future__ import annotations
 
@@ -165,12 +165,47 @@ def perplexity_cmd(model: str, config: EngineConfig, text_path: Path | None) -> 
     overlap by half."""
     ctx = config.max_model_len or PERPLEXITY_WINDOW
     config = dataclasses.replace(config, max_model_len=ctx)
-    try:
-        text = (text_path or SHIPPED_TEXT).read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise EdgeserveError(f"{text_path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    text = read_text(text_path)
     engine = build_engine(model, config)
     from edgeserve.evaluation.perplexity import text_perplexity  # imports the engine: after build_engine's note
 
     result = text_perplexity(engine, text, ctx)
     click.echo(f"{result.describe()} on {text_path or SHIPPED_TEXT_TITLE}")
+
+
+@eval_group.command("kv")
+@model_options(ctx_default=str(PERPLEXITY_WINDOW), generates=False)
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help=f"UTF-8 text file  [default: {SHIPPED_TEXT_TITLE}]")
+def kv_cmd(model: str, config: EngineConfig, text_path: Path | None) -> None:
+    """What each KV dtype costs a model: perplexity, KL divergence and top-1 agreement against the float32 pool,
+    over the windows `eval perplexity` scores (the NumPy backend; --kv-dtype adds nothing here)."""
+    if config.backend == "mlx":
+        raise EdgeserveError("eval kv compares the numpy backend's KV dtypes; the mlx backend has one")
+    ctx = config.max_model_len or PERPLEXITY_WINDOW
+    text = read_text(text_path)
+    from edgeserve.backends import KV_DTYPES
+    from edgeserve.engine.llm_engine import LLMEngine
+    from edgeserve.evaluation.kv_quality import kv_quality
+    from edgeserve.models.loader import load_model
+
+    loaded = load_model(model)
+    base = dataclasses.replace(config, backend="numpy", max_model_len=ctx, enable_prefix_caching=False)
+    engines = {dtype: LLMEngine(loaded, dataclasses.replace(base, kv_dtype=dtype)) for dtype in KV_DTYPES}
+    rows = kv_quality(engines, text, ctx)
+    click.echo(f"{loaded.source.name}: KV dtypes on {text_path or SHIPPED_TEXT_TITLE} ({rows[0].tokens} tokens "
+               f"scored, windows of {ctx})")
+    click.echo(f"{'KV dtype':>9}  {'tokens/GiB':>10}  {'perplexity':>10}  {'vs float32':>10}  {'KL (nats)':>9}  "
+               f"{'top-1 same':>10}")
+    reference = rows[0].perplexity
+    for r in rows:
+        click.echo(f"{r.kv_dtype:>9}  {r.tokens_per_gib:>10}  {r.perplexity:>10.4f}  "
+                   f"{(r.perplexity / reference - 1) * 100:>+9.2f}%  {r.kl_divergence:>9.2e}  {r.top1_agreement:>10.2%}")
+
+
+def read_text(path: Path | None) -> str:
+    """The user's text file, or the shipped one; a clear error where it is not UTF-8."""
+    try:
+        return (path or SHIPPED_TEXT).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise EdgeserveError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc

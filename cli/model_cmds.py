@@ -73,12 +73,13 @@ def info(model_argument: str | None, model: str | None, sessions: int, context: 
         raise EdgeserveError(f"two models given: {model_argument} and -m {model}")
     # the model's modules import NumPy: loaded when a model is, not for --help
     from edgeserve.backends import resident_weight_bytes
+    from edgeserve.backends import KV_DTYPES
     from edgeserve.engine.kv_budget import kv_bytes_per_token
     from edgeserve.models.loader import load_model
 
     m = load_model(model_argument or model or DEFAULT_MODEL)
     a = m.args
-    kv16, kv32 = kv_bytes_per_token(a, 2), kv_bytes_per_token(a, 4)
+    kv = {dtype: kv_bytes_per_token(a, dtype) for dtype in KV_DTYPES}
     rows = [
         ("source", f"{m.source} ({m.format})"),
         ("architecture", f"{a.model_type}: {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
@@ -88,9 +89,10 @@ def info(model_argument: str | None, model: str | None, sessions: int, context: 
                     + (f", scaling {a.rope_scaling.get('rope_type', a.rope_scaling.get('type'))}" if a.rope_scaling else "")),
         ("parameters", f"{m.num_parameters / 1e6:.1f} M"),
         ("quantization", m.quantization()),
-        ("KV per token", f"{kv16} bytes (float16), {kv32} bytes (float32)"),
-        (f"{sessions} x {context} tokens", f"{format_size(sessions * context * kv16)} KV (float16), "
-                                           f"{format_size(sessions * context * kv32)} KV (float32)"),
+        ("KV per token", ", ".join(f"{n} bytes ({dtype})" for dtype, n in kv.items())),
+        ("KV tokens per GiB", ", ".join(f"{2**30 // n} ({dtype})" for dtype, n in kv.items())),
+        (f"{sessions} x {context} tokens", ", ".join(f"{format_size(sessions * context * n)} KV ({dtype})"
+                                                     for dtype, n in kv.items())),
         ("NumPy weights", ", ".join(f"{format_size(resident_weight_bytes(m, mode))} resident as {mode}"
                                     for mode in WEIGHT_MODES)),
         ("attention", describe_attention(active_attention_path(backend), a.head_dim, a.num_attention_heads,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from edgeserve.backends import ACTIVATION_MODES, BACKENDS, DEFAULT_ACTIVATIONS, WEIGHT_MODES
+from edgeserve.backends import ACTIVATION_MODES, BACKENDS, DEFAULT_ACTIVATIONS, DEFAULT_CPU_KV_DTYPE, KV_DTYPES, WEIGHT_MODES
 from edgeserve.config import DEFAULT_KV_MEMORY, SPECULATIVE_MODES, EngineConfig
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import DEFAULT_MODEL
@@ -33,7 +33,7 @@ class BackendChoice(click.Choice):
 
 def model_options(run: Callable | None = None, *, ctx_default: str = "the model's", several: bool = False,
                   generates: bool = True) -> Callable:
-    """--model, and the engine's --backend, --weights, --activations, --kv-memory, --threads, --ctx-size and (where
+    """--model, and the engine's --backend, --weights, --activations, --kv-memory, --kv-dtype, --threads, --ctx-size and (where
     the command generates text) --speculative, which reach the command as one EngineConfig argument `config`;
     ctx_default: what --help says -c defaults to; several: -m may be given more than once (the command gets a
     tuple, empty where none was given)."""
@@ -41,9 +41,9 @@ def model_options(run: Callable | None = None, *, ctx_default: str = "the model'
         return functools.partial(model_options, ctx_default=ctx_default, several=several, generates=generates)
 
     @functools.wraps(run)
-    def command(*args: object, backend: str, weights: str, activations: str | None, kv_memory: str,
+    def command(*args: object, backend: str, weights: str, activations: str | None, kv_memory: str, kv_dtype: str,
                 threads: int | None, ctx_size: int | None, speculative: str = "off", **kwargs: object) -> object:
-        config = EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory, threads=threads,
+        config = EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory, kv_dtype=kv_dtype, threads=threads,
                               max_model_len=ctx_size, activations=activations, speculative=speculative)
         return run(*args, config=config, **kwargs)
 
@@ -57,8 +57,13 @@ def model_options(run: Callable | None = None, *, ctx_default: str = "the model'
                      help=f"Context length in tokens  [default: {ctx_default}]")(f)
     f = click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
                      help="CPU threads for the NumPy backend's kernels  [default: every core]")(f)
+    f = click.option("--kv-dtype", type=click.Choice(["auto", *KV_DTYPES]), default="auto", show_default=True,
+                     help="KV pool element type: float16 holds twice the tokens of float32 in the same --kv-memory, "
+                          "int8 (a scale per token and head) about four times; `edgeserve eval kv` measures what "
+                          f"each costs. auto: {DEFAULT_CPU_KV_DTYPE} on the CPU, the activations' dtype on MLX.")(f)
     f = click.option("--kv-memory", default=DEFAULT_KV_MEMORY, show_default=True,
-                     help="KV pool size: 2GiB, 512MiB, or a fraction of free memory (0.25, 25%).")(f)
+                     help="KV pool size: 2GiB, 512MiB, or a fraction of free memory (0.25, 25%), whatever the "
+                          "--kv-dtype.")(f)
     f = click.option("--activations", type=click.Choice(list(ACTIVATION_MODES)), default=None,
                      help="NumPy backend's quantized kernels: activations as int8 (llama.cpp's way: fewer "
                           "instructions a weight, 1-2% higher perplexity) or int16 (closest to float32)  "

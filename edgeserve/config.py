@@ -17,6 +17,7 @@ class EngineConfig:
     backend: str = "auto"  # array backend: "auto", "numpy" or "mlx"
     weights: str = "auto"  # NumPy backend's weights mode: "auto", "float32" or "quantized"
     kv_memory: str | int = DEFAULT_KV_MEMORY  # KV pool budget, see kv_budget_bytes()
+    kv_dtype: str = "auto"  # KV pool element type: "auto", "float32", "float16" or "int8" (backends.get_backend)
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 64  # sequences in one batch
     max_num_batched_tokens: int = 512  # tokens in one step (decodes plus prefill chunks)

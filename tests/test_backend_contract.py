@@ -16,7 +16,7 @@ from edgeserve.engine.kv_budget import PoolSize
 from edgeserve.engine.model_runner import ModelRunner
 
 METHODS = {name: f for name, f in vars(Backend).items() if inspect.isfunction(f) and not name.startswith("_")}
-ATTRIBUTES = typing.get_type_hints(Backend)  # the data members: name, kv_dtype_bytes
+ATTRIBUTES = typing.get_type_hints(Backend)  # the data members: name, kv_dtype
 
 BACKENDS = [
     pytest.param(("numpy", "float32"), id="numpy-float32"),

@@ -180,10 +180,10 @@ def test_a_plan_refuses_a_layer_it_cannot_run_as_described(tiny_model):
     half_normed = [dataclasses.replace(layers[0], attention=dataclasses.replace(layers[0].attention,
                                                                                 q_norm=layers[0].attn_norm[:16]))]
     with pytest.raises(ValueError, match="one head norm"):
-        CPUDecoder.build(half_normed, eps, model.ropes)
+        CPUDecoder.build(half_normed, eps, model.ropes, "float32")
     with pytest.raises(ValueError, match="names no RoPE table of the plan"):
         CPUDecoder.build([dataclasses.replace(layers[0], attention=dataclasses.replace(layers[0].attention, rope=1))],
-                         eps, model.ropes)
+                         eps, model.ropes, "float32")
 
 
 def test_the_gelu_gate_matches_its_definition():

@@ -60,7 +60,7 @@ def mlx_tolerance(engine: LLMEngine) -> float:
     """The bound the MLX backend is held to on the default Llama model, by its activation width."""
     from test_mlx_backend import LOGITS_TOLERANCE  # here: that module skips itself where MLX is missing
 
-    return LOGITS_TOLERANCE[engine.backend.kv_dtype_bytes]
+    return LOGITS_TOLERANCE[engine.backend.kv_dtype]
 
 
 def worst_difference(engine: LLMEngine, cases: list[tuple[list[int], np.ndarray]]) -> float:

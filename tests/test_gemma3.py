@@ -173,7 +173,7 @@ def test_gelu_tanh_gate_and_soft_cap_ops(backend):
     g, u = gate_up[:, :96].astype(np.float64), gate_up[:, 96:]
     want = 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u
     as_array = be.vector if backend == "mlx" else np.asarray
-    tol = 1e-5 if be.kv_dtype_bytes == 4 else 2e-2  # float16 activations on a GPU
+    tol = 1e-5 if be.kv_dtype == "float32" else 2e-2  # float16 activations on a GPU
     np.testing.assert_allclose(be.to_numpy(be.gelu_tanh_mul(as_array(gate_up))), want, rtol=tol, atol=tol)
     np.testing.assert_allclose(be.to_numpy(be.soft_cap(as_array(gate_up), 5.0)), 5 * np.tanh(gate_up / 5.0),
                                rtol=tol, atol=tol)
@@ -274,7 +274,7 @@ def mlx_engine(gemma) -> LLMEngine:
 def test_mlx_matches_numpy_and_transformers(engine, mlx_engine):
     """Within the bounds the MLX tests hold Llama to (test_mlx_backend): logits near NumPy's, and the
     greedy tokens transformers gives (short prompts: MLX on the CPU is slow at Gemma's 262k-entry head)."""
-    tolerance = LOGITS_TOLERANCE[mlx_engine.backend.kv_dtype_bytes]
+    tolerance = LOGITS_TOLERANCE[mlx_engine.backend.kv_dtype]
     prompts = [CASES[i]["prompt_ids"] for i in SHORT]
     for ids in prompts[:2]:
         assert np.abs(mlx_engine.prompt_logits(ids) - engine.prompt_logits(ids)).max() < tolerance
@@ -289,5 +289,5 @@ def test_mlx_sliding_window_matches_numpy(gemma, mlx_engine):
     ids = max((CASES[i]["prompt_ids"] for i in SHORT), key=len)
     want = LLMEngine(model, backend="numpy", weights="float32", kv_memory="64MiB").prompt_logits(ids)
     got = LLMEngine(model, backend="mlx", kv_memory="64MiB").prompt_logits(ids)
-    assert np.abs(got - want).max() < LOGITS_TOLERANCE[mlx_engine.backend.kv_dtype_bytes]
+    assert np.abs(got - want).max() < LOGITS_TOLERANCE[mlx_engine.backend.kv_dtype]
     assert np.abs(want - mlx_engine.prompt_logits(ids)).max() > 1.0  # the narrow window changes the answer

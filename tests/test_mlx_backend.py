@@ -52,8 +52,9 @@ def mlx_alone(mlx_engine) -> list[int]:
 
 def test_backend_attributes(mlx_engine):
     assert mlx_engine.backend.name == "mlx"
-    assert mlx_engine.backend.kv_dtype_bytes in (2, 4)
-    assert mlx_engine.pool_size.bytes_per_token == 2 * 30 * 3 * 64 * mlx_engine.backend.kv_dtype_bytes
+    assert mlx_engine.backend.kv_dtype in ("float16", "float32")
+    element = {"float16": 2, "float32": 4}[mlx_engine.backend.kv_dtype]
+    assert mlx_engine.pool_size.bytes_per_token == 2 * 30 * 3 * 64 * element
 
 
 def test_prompt_logits_match_numpy(numpy_engine, mlx_engine):
@@ -66,7 +67,7 @@ def test_prompt_logits_match_numpy(numpy_engine, mlx_engine):
         total += len(ids)
         worst = max(worst, float(np.abs(got - want).max()))
     assert agree / total >= 0.99
-    assert worst <= LOGITS_TOLERANCE[mlx_engine.backend.kv_dtype_bytes]
+    assert worst <= LOGITS_TOLERANCE[mlx_engine.backend.kv_dtype]
 
 
 def test_greedy_generation_matches_numpy(numpy_engine, mlx_alone):

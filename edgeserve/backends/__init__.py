@@ -21,12 +21,15 @@ if TYPE_CHECKING:
     from edgeserve.backends.numpy_backend import resident_weight_bytes
 
 BACKENDS = ("auto", "numpy", "mlx")
+# the KV pool's element types ("auto": the backend's best, see get_backend)
+KV_DTYPES = ("float32", "float16", "int8")
+DEFAULT_CPU_KV_DTYPE = "float32"
 WEIGHT_MODES = ("float32", "quantized")
 # the integers the quantized CPU kernels turn activations into (see qmatmul for what each costs)
 ACTIVATION_MODES = ("int8", "int16")
 DEFAULT_ACTIVATIONS = "int8"
 
-__all__ = ["ACTIVATION_MODES", "BACKENDS", "DEFAULT_ACTIVATIONS", "WEIGHT_MODES", "Backend", "get_backend", "resident_weight_bytes"]
+__all__ = ["ACTIVATION_MODES", "BACKENDS", "DEFAULT_ACTIVATIONS", "KV_DTYPES", "WEIGHT_MODES", "Backend", "get_backend", "resident_weight_bytes"]
 
 # names this package hands out from a backend module, loaded on first use
 _LAZY = {"Backend": "edgeserve.backends.base", "resident_weight_bytes": "edgeserve.backends.numpy_backend"}
@@ -46,16 +49,20 @@ class HasWeights(Protocol):
 
 
 def get_backend(name: str = "auto", weights: str = "auto", model: HasWeights | None = None,
-                threads: int | None = None, activations: str | None = None) -> Backend:
+                threads: int | None = None, activations: str | None = None, kv_dtype: str = "auto") -> Backend:
     """A backend instance; 'auto' takes MLX on a GPU and NumPy on a plain CPU (MLX's CPU GEMMs are slow).
 
     weights: the NumPy backend's weights mode, one of WEIGHT_MODES or "auto": see
     `choose_weights_mode` (float32 when no model is given).
     MLX keeps weights quantized whatever the mode. threads: the NumPy kernels' CPU threads (None: every core);
-    activations: their activation integers, "int8" or "int16" (None: `qmatmul`'s default).
+    activations: their activation integers, "int8" or "int16" (None: `qmatmul`'s default). kv_dtype:
+    the KV pool's element type, one of KV_DTYPES or "auto" (MLX: its activations' dtype, the only one it
+    takes; NumPy: DEFAULT_CPU_KV_DTYPE).
     """
     if name not in BACKENDS:
         raise EdgeserveError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
+    if kv_dtype not in ("auto", *KV_DTYPES):
+        raise EdgeserveError(f"unknown KV dtype {kv_dtype!r} (choose from auto, {', '.join(KV_DTYPES)})")
     if name == "auto":
         name = "mlx" if mlx_gpu_available() else "numpy"
     if name == "mlx":
@@ -63,9 +70,10 @@ def get_backend(name: str = "auto", weights: str = "auto", model: HasWeights | N
             from edgeserve.backends.mlx_backend import MLXBackend
         except ImportError as exc:
             raise EdgeserveError(f"the mlx backend needs MLX: pip install 'edgeserve[mlx]' ({exc})") from exc
-        return MLXBackend()
+        return MLXBackend(kv_dtype)
     from edgeserve.backends.numpy_backend import NumpyBackend, choose_weights_mode
 
     if weights == "auto":
         weights = "float32" if model is None else choose_weights_mode(model, available_memory_bytes())
-    return NumpyBackend(weights=weights, threads=threads, activations=activations)
+    return NumpyBackend(weights=weights, threads=threads, activations=activations,
+                        kv_dtype=DEFAULT_CPU_KV_DTYPE if kv_dtype == "auto" else kv_dtype)

@@ -14,6 +14,11 @@ row's own length only, a row's result is the same bits whatever else is in the b
 gives the same answer alone, beside other requests, or after a prefix-cache hit). exp is a polynomial (Cephes' expf, ~1 ulp) that vectorizes: libm's expf per
 score costs more than the dot product it follows.
 
+A pool holds float32, float16 or int8 heads (see QM_KV_* in _qmatmul.h). The kernels compute in
+float32: a float32 tile is read in place, a float16 or int8 one is converted once into a float32
+tile on the stack (in L1) and then serves all the item's query heads, so the pool is read at half
+or a quarter of the bytes and the arithmetic is the float32 kernel's.
+
 Code paths: AVX-512 intrinsics for the attention, where head_dim is a multiple of 32; portable C
 elsewhere, written as lane loops that compilers vectorize (NEON included), and built a second
 and third time inside AVX2 and AVX-512 target functions for the small ops on x86.
@@ -31,6 +36,11 @@ and third time inside AVX2 and AVX-512 target functions for the small ops on x86
 #define ATT_SPLIT 256  /* keys per range: shorter ones cost more in merging than they gain; a multiple of ATT_TILE */
 #define LANES 16
 #define INLINE static inline __attribute__((always_inline))
+
+#ifdef __FLT16_MAX__
+#define HAVE_FLOAT16 1
+typedef _Float16 half_t;
+#endif
 
 /* ---- exp: Cephes expf, range-reduced by round(x / ln 2), with the rounding done by adding and
    subtracting 1.5 * 2^23 so that it vectorizes without -ffast-math ---- */
@@ -62,30 +72,134 @@ typedef struct {
 } AttItem;
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const char *k, *v; /* pools of kv_type, addressed in bytes */
     const int64_t *bt;
     float *out, *part;
     const AttItem *items;
     Py_ssize_t q_row, bt_row; /* elements between rows of q and of block_tables */
-    int H, hd, bs, n_kv, slot_floats;
+    size_t head_bytes;        /* one KV head in the pool */
+    int H, hd, bs, n_kv, slot_floats, kv_type;
     int window; /* a row sees its last `window` keys only (sliding-window layers); 0: all of them */
     float scale;
 } AttTask;
 
-/* Pool offsets (in floats) of keys t0..t0+nt-1 of the item's sequence and KV head: one division
+/* Pool offsets (in bytes) of keys t0..t0+nt-1 of the item's sequence and KV head: one division
    per tile, not per key. */
 INLINE void tile_offsets(const AttTask *t, const AttItem *it, int t0, int nt, size_t *off) {
     const int64_t *table = t->bt + (size_t)it->s * t->bt_row;
-    const size_t row = (size_t)t->n_kv * t->hd;
+    const size_t row = (size_t)t->n_kv * t->head_bytes;
     int b = t0 / t->bs, r = t0 % t->bs;
-    size_t base = (size_t)table[b] * t->bs * row + (size_t)it->kv * t->hd;
+    size_t base = (size_t)table[b] * t->bs * row + (size_t)it->kv * t->head_bytes;
     for (int i = 0; i < nt; i++) {
         off[i] = base + (size_t)r * row;
         if (++r == t->bs && i + 1 < nt) {
             r = 0;
-            base = (size_t)table[++b] * t->bs * row + (size_t)it->kv * t->hd;
+            base = (size_t)table[++b] * t->bs * row + (size_t)it->kv * t->head_bytes;
         }
     }
+}
+
+/* ---- KV heads in the pool's type ---- */
+
+/* Values an int8 head's scale covers: 64 (head_dim a multiple of 64), else the whole head. */
+INLINE int i8_group(int hd) { return hd % 64 ? hd : 64; }
+
+size_t qm_kv_head_bytes(int kv_type, int hd) {
+    return kv_type == QM_KV_F32   ? (size_t)hd * 4
+           : kv_type == QM_KV_F16 ? (size_t)hd * 2
+                                  : (size_t)hd + 2 * (size_t)(hd / i8_group(hd));
+}
+
+#ifdef HAVE_FLOAT16
+/* Scale g of an int8 head. */
+INLINE float i8_scale(const char *head, int hd, int g) {
+    half_t s;
+    memcpy(&s, head + hd + 2 * g, 2);
+    return (float)s;
+}
+#endif
+
+/* One head of the pool as hd floats (portable C; the AVX2 kernels' own version gives the same bits). */
+static void kv_head_floats(const char *src, int kv_type, int hd, float *dst) {
+#ifdef HAVE_FLOAT16
+    if (kv_type == QM_KV_I8) {
+        const int G = i8_group(hd);
+        for (int i = 0; i < hd; i++) dst[i] = (float)((const int8_t *)src)[i] * i8_scale(src, hd, i / G);
+        return;
+    }
+    if (kv_type == QM_KV_F16) {
+        for (int i = 0; i < hd; i++) dst[i] = (float)((const half_t *)src)[i];
+        return;
+    }
+#endif
+    memcpy(dst, src, sizeof(float) * hd);
+}
+
+/* hd floats into one head of the pool's type: float16 rounded to nearest even; int8 by a scale per
+   group of i8_group values, s = max|x| / 127 (as float16, stored after the values), x / s rounded to
+   nearest even. */
+static void kv_head_store(char *dst, int kv_type, const float *x, int hd) {
+#ifdef HAVE_FLOAT16
+    if (kv_type == QM_KV_I8) {
+        const int G = i8_group(hd);
+        for (int g = 0; g < hd / G; g++) {
+            float amax = 0.f;
+            for (int i = g * G; i < (g + 1) * G; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+            const half_t s = (half_t)(amax / 127.f);
+            const float inv = (float)s > 0.f ? 1.f / (float)s : 0.f;
+            for (int i = g * G; i < (g + 1) * G; i++) {
+                const float q = rintf(x[i] * inv);
+                ((int8_t *)dst)[i] = (int8_t)(q > 127.f ? 127.f : q < -127.f ? -127.f : q);
+            }
+            memcpy(dst + hd + 2 * g, &s, 2);
+        }
+        return;
+    }
+    if (kv_type == QM_KV_F16) {
+        for (int i = 0; i < hd; i++) ((half_t *)dst)[i] = (half_t)x[i];
+        return;
+    }
+#endif
+    memcpy(dst, x, sizeof(float) * hd);
+}
+
+PyObject *qm_kv_type_names(void) {
+#ifdef HAVE_FLOAT16
+    return Py_BuildValue("(sss)", "float32", "float16", "int8");
+#else
+    return Py_BuildValue("(s)", "float32");
+#endif
+}
+
+int qm_kv_type(const Py_buffer *b, Py_ssize_t hd) {
+    if (b->ndim != 4 || !b->format) return -1;
+    const char *f = b->format;
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (qm_is_f32(b) && b->shape[3] == hd) return QM_KV_F32;
+#ifdef HAVE_FLOAT16
+    if (b->itemsize == 2 && !strcmp(f, "e") && b->shape[3] == hd) return QM_KV_F16;
+    if (b->itemsize == 1 && !strcmp(f, "b") && (size_t)b->shape[3] == qm_kv_head_bytes(QM_KV_I8, (int)hd)) return QM_KV_I8;
+#endif
+    return -1;
+}
+
+/* A tile's K and V rows as float32: in the pool itself (float32), else converted by `convert` into
+   kbuf and vbuf [ATT_TILE, hd]. Rows nt.. up to a multiple of 4 repeat the last (scored, then ignored). */
+INLINE void tile_rows(const AttTask *t, const size_t *off, int nt, const float **kr, const float **vr, float *kbuf,
+                      float *vbuf, void (*convert)(const char *, int, int, float *)) {
+    for (int i = 0; i < nt; i++) {
+        if (t->kv_type == QM_KV_F32) {
+            kr[i] = (const float *)(t->k + off[i]);
+            vr[i] = (const float *)(t->v + off[i]);
+        } else {
+            convert(t->k + off[i], t->kv_type, t->hd, kbuf + (size_t)i * t->hd);
+            convert(t->v + off[i], t->kv_type, t->hd, vbuf + (size_t)i * t->hd);
+            kr[i] = kbuf + (size_t)i * t->hd;
+            vr[i] = vbuf + (size_t)i * t->hd;
+        }
+    }
+    for (int i = nt; i < ((nt + 3) & ~3); i++) kr[i] = kr[nt - 1];
 }
 
 /* The item's result: normalized into out, or (acc, max, sum) into its slot for merging. */
@@ -156,6 +270,8 @@ INLINE void att_item_portable(const void *ctx, int index) {
     const int hd = t->hd, nh = it->nh;
     float qs[ATT_GROUP][ATT_MAX_HD], acc[ATT_GROUP][ATT_MAX_HD], sc[ATT_GROUP][ATT_TILE], m[ATT_GROUP], l[ATT_GROUP];
     size_t off[ATT_TILE];
+    const float *kr[ATT_TILE], *vr[ATT_TILE];
+    float kbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd], vbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd];
     for (int g = 0; g < nh; g++) {
         const float *qr = t->q + (size_t)it->s * t->q_row + (size_t)(it->h0 + g) * hd;
         for (int i = 0; i < hd; i++) {
@@ -168,11 +284,9 @@ INLINE void att_item_portable(const void *ctx, int index) {
     for (int t0 = it->t0; t0 < it->t1; t0 += ATT_TILE) {
         int nt = it->t1 - t0 < ATT_TILE ? it->t1 - t0 : ATT_TILE;
         tile_offsets(t, it, t0, nt, off);
-        for (int i = nt; i < ((nt + 3) & ~3); i++) off[i] = off[nt - 1]; /* scored, then ignored */
+        tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats);
         for (int g = 0; g < nh; g++) {
-            for (int i = 0; i < nt; i += 4)
-                dot4_portable(qs[g], t->k + off[i], t->k + off[i + 1], t->k + off[i + 2], t->k + off[i + 3], hd,
-                              sc[g] + i);
+            for (int i = 0; i < nt; i += 4) dot4_portable(qs[g], kr[i], kr[i + 1], kr[i + 2], kr[i + 3], hd, sc[g] + i);
             /* max, exp and sum as separate loops: a float reduction inside the exp loop would
                keep the compiler from vectorizing it */
             float top = m[g];
@@ -186,8 +300,7 @@ INLINE void att_item_portable(const void *ctx, int index) {
             const int hd8 = hd & ~7;
             int i = 0;
             for (; i + 4 <= nt; i += 4) {
-                const float *v0 = t->v + off[i], *v1 = t->v + off[i + 1], *v2 = t->v + off[i + 2],
-                            *v3 = t->v + off[i + 3];
+                const float *v0 = vr[i], *v1 = vr[i + 1], *v2 = vr[i + 2], *v3 = vr[i + 3];
                 const float p0 = sc[g][i], p1 = sc[g][i + 1], p2 = sc[g][i + 2], p3 = sc[g][i + 3];
                 for (int j = 0; j < hd8; j += 8)
                     STORE8(acc[g] + j, LOAD8(acc[g] + j) + ((p0 * LOAD8(v0 + j) + p1 * LOAD8(v1 + j)) +
@@ -195,9 +308,8 @@ INLINE void att_item_portable(const void *ctx, int index) {
                 for (int j = hd8; j < hd; j++) acc[g][j] += (p0 * v0[j] + p1 * v1[j]) + (p2 * v2[j] + p3 * v3[j]);
             }
             for (; i < nt; i++) {
-                const float *vr = t->v + off[i];
                 const float p = sc[g][i];
-                for (int j = 0; j < hd; j++) acc[g][j] += p * vr[j];
+                for (int j = 0; j < hd; j++) acc[g][j] += p * vr[i][j];
             }
         }
     }
@@ -207,9 +319,9 @@ INLINE void att_item_portable(const void *ctx, int index) {
 static void att_item_generic(const void *ctx, int index) { att_item_portable(ctx, index); }
 
 #ifdef QM_X86
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
 
-#define AVX2_OPS __attribute__((target("avx2,fma")))
+#define AVX2_OPS __attribute__((target("avx2,fma,f16c")))
 
 /* exp_poly on 8 lanes */
 static inline AVX2_OPS __attribute__((always_inline)) __m256 exp256(__m256 x) {
@@ -227,6 +339,35 @@ static inline AVX2_OPS __attribute__((always_inline)) __m256 exp256(__m256 x) {
     p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* kv_head_floats for hd a multiple of 8, by F16C and AVX2: the same bits. */
+static AVX2_OPS void kv_head_floats_avx2(const char *src, int kv_type, int hd, float *dst) {
+    if (kv_type == QM_KV_I8) {
+        const int G = i8_group(hd);
+        for (int g = 0; g < hd / G; g++) {
+            uint16_t s;
+            memcpy(&s, src + hd + 2 * g, 2);
+            const __m256 sv = _mm256_set1_ps(_cvtsh_ss(s));
+            for (int j = g * G; j < (g + 1) * G; j += 8) {
+                const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + j)));
+                _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_cvtepi32_ps(q), sv));
+            }
+        }
+    } else {
+        for (int j = 0; j < hd; j += 8)
+            _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * j))));
+    }
+}
+
+/* The next tile's rows, fetched while this one computes (the pool is read from DRAM: a step's K/V
+   outgrow the caches, and the weights stream through them). */
+INLINE void prefetch_rows(const AttTask *t, const size_t *next, int r0, int r1) {
+    for (int r = r0; r < r1; r++)
+        for (size_t b = 0; b < t->head_bytes; b += 64) {
+            _mm_prefetch(t->k + next[r] + b, _MM_HINT_T0);
+            _mm_prefetch(t->v + next[r] + b, _MM_HINT_T0);
+        }
 }
 
 static inline AVX2_OPS __attribute__((always_inline)) float hsum256(__m256 v) {
@@ -266,6 +407,8 @@ static inline AVX2_OPS __attribute__((always_inline)) void att_item_avx2_body(co
     float sc[ATT_GROUP][ATT_TILE] __attribute__((aligned(32)));
     float m[ATT_GROUP], l[ATT_GROUP];
     size_t offs[2][ATT_TILE];
+    const float *kr[ATT_TILE], *vr[ATT_TILE];
+    float kbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd], vbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd];
     const __m256 scale = _mm256_set1_ps(t->scale);
     for (int g = 0; g < nh; g++) {
         const float *qr = t->q + (size_t)it->s * t->q_row + (size_t)(it->h0 + g) * hd;
@@ -279,22 +422,15 @@ static inline AVX2_OPS __attribute__((always_inline)) void att_item_avx2_body(co
     int nt = it->t1 - it->t0 < ATT_TILE ? it->t1 - it->t0 : ATT_TILE;
     tile_offsets(t, it, it->t0, nt, offs[0]);
     for (int t0 = it->t0, cur = 0; t0 < it->t1; t0 += ATT_TILE, cur ^= 1) {
-        size_t *off = offs[cur];
+        const size_t *off = offs[cur];
         const size_t *next = offs[cur ^ 1];
         const int n_next = it->t1 - t0 - nt < ATT_TILE ? it->t1 - t0 - nt : ATT_TILE;
         if (n_next > 0) tile_offsets(t, it, t0 + nt, n_next, offs[cur ^ 1]);
-        for (int i = nt; i < ((nt + 3) & ~3); i++) off[i] = off[nt - 1]; /* scored, then ignored */
+        tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats_avx2);
         for (int g = 0; g < nh; g++) {
             for (int i = 0; i < nt; i += 4) {
-                /* the next tile's rows are fetched while this one computes */
-                if (g == 0)
-                    for (int r = i; r < i + 4 && r < n_next; r++)
-                        for (int j = 0; j < HV; j += 2) {
-                            _mm_prefetch((const char *)(t->k + next[r] + 8 * j), _MM_HINT_T0);
-                            _mm_prefetch((const char *)(t->v + next[r] + 8 * j), _MM_HINT_T0);
-                        }
-                _mm_store_ps(sc[g] + i, dot4_avx2(qs[g], t->k + off[i], t->k + off[i + 1], t->k + off[i + 2],
-                                                  t->k + off[i + 3], HV));
+                if (g == 0) prefetch_rows(t, next, i, i + 4 < n_next ? i + 4 : n_next);
+                _mm_store_ps(sc[g] + i, dot4_avx2(qs[g], kr[i], kr[i + 1], kr[i + 2], kr[i + 3], HV));
             }
             /* online softmax over the tile */
             const int n8 = nt & ~7;
@@ -322,9 +458,9 @@ static inline AVX2_OPS __attribute__((always_inline)) void att_item_avx2_body(co
                 __m256 a[8];
                 for (int j = 0; j < 8; j++) a[j] = _mm256_mul_ps(_mm256_load_ps(acc[g] + 8 * (j0 + j)), al);
                 for (int i = 0; i < nt; i++) {
-                    const float *vr = t->v + off[i] + 8 * j0;
+                    const float *vi = vr[i] + 8 * j0;
                     const __m256 p = _mm256_broadcast_ss(sc[g] + i);
-                    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * j), a[j]);
+                    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vi + 8 * j), a[j]);
                 }
                 for (int j = 0; j < 8; j++) _mm256_store_ps(acc[g] + 8 * (j0 + j), a[j]);
             }
@@ -391,6 +527,8 @@ static inline AVX512_TARGET __attribute__((always_inline)) void att_item_avx512_
     float sc[ATT_GROUP][ATT_TILE] __attribute__((aligned(64)));
     float m[ATT_GROUP], l[ATT_GROUP];
     size_t offs[2][ATT_TILE];
+    const float *kr[ATT_TILE], *vr[ATT_TILE];
+    float kbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd], vbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd];
     __m512 qs[ATT_GROUP][ATT_MAX_HD / 16];
     const __m512 scale = _mm512_set1_ps(t->scale);
     for (int g = 0; g < nh; g++) {
@@ -408,21 +546,14 @@ static inline AVX512_TARGET __attribute__((always_inline)) void att_item_avx512_
         const size_t *off = offs[cur], *next = offs[cur ^ 1];
         const int n_next = it->t1 - t0 - nt < ATT_TILE ? it->t1 - t0 - nt : ATT_TILE;
         if (n_next > 0) tile_offsets(t, it, t0 + nt, n_next, offs[cur ^ 1]);
-        for (int i = nt; i < ((nt + 3) & ~3); i++) offs[cur][i] = off[nt - 1]; /* scored, then ignored */
+        tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats_avx2);
         for (int g = 0; g < nh; g++) {
             __m512 q[ATT_MAX_HD / 16];
             for (int j = 0; j < HV; j++) q[j] = qs[g][j];
             for (int i = 0; i < nt; i += 4) {
-                /* the pool is read from DRAM (a step's K/V outgrow the caches, and the weights
-                   stream through them): the next tile's rows are fetched while this one computes */
-                if (g == 0)
-                    for (int r = i; r < i + 4 && r < n_next; r++)
-                        for (int j = 0; j < HV; j++) {
-                            _mm_prefetch((const char *)(t->k + next[r] + 16 * j), _MM_HINT_T0);
-                            _mm_prefetch((const char *)(t->v + next[r] + 16 * j), _MM_HINT_T0);
-                        }
-                __m128 s4 = hsum4(dot_vec(q, t->k + off[i], HV), dot_vec(q, t->k + off[i + 1], HV),
-                                  dot_vec(q, t->k + off[i + 2], HV), dot_vec(q, t->k + off[i + 3], HV));
+                if (g == 0) prefetch_rows(t, next, i, i + 4 < n_next ? i + 4 : n_next);
+                __m128 s4 = hsum4(dot_vec(q, kr[i], HV), dot_vec(q, kr[i + 1], HV), dot_vec(q, kr[i + 2], HV),
+                                  dot_vec(q, kr[i + 3], HV));
                 _mm_storeu_ps(sc[g] + i, s4);
             }
             /* online softmax over the tile */
@@ -453,7 +584,7 @@ static inline AVX512_TARGET __attribute__((always_inline)) void att_item_avx512_
             }
             int i = 0;
             for (; i + 2 <= nt; i += 2) {
-                const float *v0 = t->v + off[i], *v1 = t->v + off[i + 1];
+                const float *v0 = vr[i], *v1 = vr[i + 1];
                 const __m512 p0 = _mm512_set1_ps(sc[g][i]), p1 = _mm512_set1_ps(sc[g][i + 1]);
                 for (int j = 0; j < HV; j++) {
                     a[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * j), a[j]);
@@ -461,7 +592,7 @@ static inline AVX512_TARGET __attribute__((always_inline)) void att_item_avx512_
                 }
             }
             if (i < nt) {
-                const float *v0 = t->v + off[i];
+                const float *v0 = vr[i];
                 const __m512 p0 = _mm512_set1_ps(sc[g][i]);
                 for (int j = 0; j < HV; j++) a[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * j), a[j]);
             }
@@ -711,17 +842,22 @@ int qm_bad_table_row(const int64_t *block_tables, Py_ssize_t bt_row, Py_ssize_t 
     return -1;
 }
 
-int qm_attention(const float *q, Py_ssize_t q_row, const float *k, const float *v, int bs, int n_kv,
+int qm_attention(const float *q, Py_ssize_t q_row, const void *k, const void *v, int kv_type, int bs, int n_kv,
                  const int64_t *block_tables, Py_ssize_t bt_row, const int64_t *lens, int D, int H, int hd,
                  float scale, int window, float *out) {
-    AttTask t = {.q = q, .k = k, .v = v, .bt = block_tables, .out = out, .q_row = q_row, .bt_row = bt_row,
-                 .H = H, .hd = hd, .bs = bs, .n_kv = n_kv, .window = window, .scale = scale};
+    AttTask t = {.q = q, .k = (const char *)k, .v = (const char *)v, .bt = block_tables, .out = out, .q_row = q_row,
+                 .bt_row = bt_row, .head_bytes = qm_kv_head_bytes(kv_type, hd), .H = H, .hd = hd, .bs = bs,
+                 .n_kv = n_kv, .kv_type = kv_type, .window = window, .scale = scale};
     return run_attention(&t, lens, D);
 }
 
-void qm_write_kv(float *cache, const float *values, Py_ssize_t values_row, const int64_t *slots, int rows, size_t row) {
+void qm_write_kv(void *cache, int kv_type, const float *values, Py_ssize_t values_row, const int64_t *slots, int rows,
+                 int n_kv, int hd) {
+    const size_t head = qm_kv_head_bytes(kv_type, hd);
     for (int i = 0; i < rows; i++)
-        memcpy(cache + (size_t)slots[i] * row, values + (size_t)i * values_row, row * sizeof(float));
+        for (int h = 0; h < n_kv; h++)
+            kv_head_store((char *)cache + ((size_t)slots[i] * n_kv + h) * head, kv_type,
+                          values + (size_t)i * values_row + (size_t)h * hd, hd);
 }
 
 void qm_rms_norm(const float *x, Py_ssize_t x_row, const float *w, float *out, Py_ssize_t out_row, int rows, int cols,
@@ -788,8 +924,8 @@ static Py_ssize_t row_stride(const Py_buffer *b) {
 }
 
 /* attention(q, k_cache, v_cache, block_tables, context_lens, out, scale[, window]) -> bool
-   q float32 [D, H, hd] (rows at any stride, heads contiguous); pools float32 [blocks, bs, n_kv, hd]
-   C-contiguous; block_tables int64 [D, max_blocks]; context_lens int64 [D]; out float32 [D, H, hd]
+   q float32 [D, H, hd] (rows at any stride, heads contiguous); pools of one QM_KV type [blocks, bs,
+   n_kv, head] C-contiguous; block_tables int64 [D, max_blocks]; context_lens int64 [D]; out float32 [D, H, hd]
    C-contiguous; window > 0: each row attends to its last `window` keys only. Raises on block ids or
    lengths outside the pool. */
 PyObject *qm_py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -814,10 +950,12 @@ PyObject *qm_py_attention(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     int ok = q->ndim == 3 && k->ndim == 4 && v->ndim == 4 && bt->ndim == 2 && cl->ndim == 1 && o->ndim == 3 &&
-             qm_is_f32(q) && qm_is_f32(k) && qm_is_f32(v) && qm_is_f32(o) && qm_is_i64(bt) && qm_is_i64(cl);
+             qm_is_f32(q) && qm_is_f32(o) && qm_is_i64(bt) && qm_is_i64(cl);
+    const int kv_type = ok ? qm_kv_type(k, q->shape[2]) : -1;
     if (ok) {
         Py_ssize_t D = q->shape[0], H = q->shape[1], hd = q->shape[2];
-        ok = hd > 0 && hd <= ATT_MAX_HD && k->shape[3] == hd && k->shape[2] > 0 && H % k->shape[2] == 0 &&
+        ok = hd > 0 && hd <= ATT_MAX_HD && kv_type >= 0 && qm_kv_type(v, hd) == kv_type && k->shape[2] > 0 &&
+             H % k->shape[2] == 0 &&
              q->strides[2] == 4 && q->strides[1] == 4 * hd && row_stride(q) >= 0 && c_contiguous(k) &&
              c_contiguous(v) && c_contiguous(o) && c_contiguous(cl) && bt->strides[1] == 8 && row_stride(bt) >= 0 &&
              bt->shape[0] == D && cl->shape[0] == D && o->shape[0] == D && o->shape[1] == H && o->shape[2] == hd;
@@ -837,8 +975,7 @@ PyObject *qm_py_attention(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     int err;
-    WITH_POOL(err = qm_attention((const float *)q->buf, row_stride(q), (const float *)k->buf, (const float *)v->buf,
-                                 bsz, (int)k->shape[2], table, bt_row, lens, D, (int)q->shape[1], (int)q->shape[2],
+    WITH_POOL(err = qm_attention((const float *)q->buf, row_stride(q), k->buf, v->buf, kv_type, bsz, (int)k->shape[2], table, bt_row, lens, D, (int)q->shape[1], (int)q->shape[2],
                                  (float)scale, (int)window, (float *)o->buf));
     release(&bs);
     if (err) return PyErr_NoMemory();
@@ -937,8 +1074,8 @@ PyObject *qm_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 /* write_kv(cache, values, slots) -> bool: cache rows `slots` (of its [blocks * block_size] rows
-   [n_kv, hd]) = values float32 [T, n_kv, hd] (rows at any stride); slots int64 [T]. Small copies
-   (a row per decode step): the GIL stays held. */
+   [n_kv, head], a QM_KV type) = values float32 [T, n_kv, hd] (rows at any stride), converted;
+   slots int64 [T]. Small copies (a row per decode step): the GIL stays held. */
 PyObject *qm_py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 3) {
@@ -951,9 +1088,10 @@ PyObject *qm_py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         release(&bs);
         return NULL;
     }
-    int ok = c->ndim == 4 && x->ndim == 3 && sl->ndim == 1 && qm_is_f32(c) && qm_is_f32(x) && qm_is_i64(sl) && c_contiguous(c) &&
-             c_contiguous(sl) && x->shape[0] == sl->shape[0] && x->shape[1] == c->shape[2] && x->shape[2] == c->shape[3] &&
-             x->strides[2] == 4 && x->strides[1] == 4 * x->shape[2] && row_stride(x) >= 0;
+    const int kv_type = x->ndim == 3 ? qm_kv_type(c, x->shape[2]) : -1;
+    int ok = kv_type >= 0 && sl->ndim == 1 && qm_is_f32(x) && qm_is_i64(sl) && c_contiguous(c) && c_contiguous(sl) &&
+             x->shape[0] == sl->shape[0] && x->shape[1] == c->shape[2] && x->strides[2] == 4 &&
+             x->strides[1] == 4 * x->shape[2] && row_stride(x) >= 0;
     const int64_t *slots = (const int64_t *)sl->buf;
     const Py_ssize_t rows = ok ? c->shape[0] * c->shape[1] : 0;
     for (Py_ssize_t i = 0; ok && i < sl->shape[0]; i++) ok = slots[i] >= 0 && slots[i] < rows;
@@ -961,8 +1099,8 @@ PyObject *qm_py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         release(&bs);
         Py_RETURN_FALSE;
     }
-    qm_write_kv((float *)c->buf, (const float *)x->buf, row_stride(x), slots, (int)sl->shape[0],
-                (size_t)(x->shape[1] * x->shape[2]));
+    qm_write_kv(c->buf, kv_type, (const float *)x->buf, row_stride(x), slots, (int)sl->shape[0], (int)x->shape[1],
+                (int)x->shape[2]);
     release(&bs);
     Py_RETURN_TRUE;
 }

@@ -280,12 +280,12 @@ static void add_rows(float *h, const float *y, size_t n) {
 }
 
 /* Every layer on h [T, hidden]; -1 when out of memory. */
-static int run_layers(const DecPlan *p, float *h, int T, float *const *kc, float *const *vc, int bs,
+static int run_layers(const DecPlan *p, float *h, int T, void *const *kc, void *const *vc, int kv_type, int bs,
                       const int64_t *positions, const int64_t *slots, const int64_t *bt, Py_ssize_t bt_row,
                       const int64_t *lens) {
     const int H = p->n_heads, nkv = p->n_kv, hd = p->hd, hidden = p->hidden, inter = p->inter;
     const int qkv_n = (H + 2 * nkv) * hd, k_end = (H + nkv) * hd;
-    const size_t kv_row = (size_t)nkv * hd, half = (size_t)hd / 2, ht = (size_t)T * hidden;
+    const size_t half = (size_t)hd / 2, ht = (size_t)T * hidden;
     const Scratch at = scratch_layout(p, (size_t)T);
     float *x = g_scratch + at.x, *qkv = g_scratch + at.qkv, *qk = g_scratch + at.qk, *att = g_scratch + at.att,
           *y = g_scratch + at.y, *rope = g_scratch + at.rope;
@@ -312,9 +312,9 @@ static int run_layers(const DecPlan *p, float *h, int T, float *const *kc, float
         if (L->q_scale != 1.f)
             for (int t = 0; t < T; t++)
                 for (int i = 0; i < H * hd; i++) qk[(size_t)t * k_end + i] *= L->q_scale;
-        qm_write_kv(kc[l], qk + (size_t)H * hd, k_end, slots, T, kv_row);
-        qm_write_kv(vc[l], qkv + k_end, qkv_n, slots, T, kv_row);
-        if (qm_attention(qk, k_end, kc[l], vc[l], bs, nkv, bt, bt_row, lens, T, H, hd, scale, L->window, att) < 0 ||
+        qm_write_kv(kc[l], kv_type, qk + (size_t)H * hd, k_end, slots, T, nkv, hd);
+        qm_write_kv(vc[l], kv_type, qkv + k_end, qkv_n, slots, T, nkv, hd);
+        if (qm_attention(qk, k_end, kc[l], vc[l], kv_type, bs, nkv, bt, bt_row, lens, T, H, hd, scale, L->window, att) < 0 ||
             dec_gemm(&L->o, att, T, y, hidden) < 0)
             return -1;
         if (L->post_attn_norm) qm_rms_norm(y, hidden, L->post_attn_norm, y, hidden, T, hidden, p->eps);
@@ -332,8 +332,9 @@ static int run_layers(const DecPlan *p, float *h, int T, float *const *kc, float
     return 0;
 }
 
-/* The pools of every layer: float32 C-contiguous [blocks, bs, n_kv, hd], all of one shape. */
-static int take_pools(PyObject *list, const DecPlan *p, Py_buffer *b, int *held, float **ptrs, Py_ssize_t *shape) {
+/* The pools of every layer: C-contiguous [blocks, bs, n_kv, head], all of one shape and QM_KV type. */
+static int take_pools(PyObject *list, const DecPlan *p, Py_buffer *b, int *held, void **ptrs, Py_ssize_t *shape,
+                      int *kv_type) {
     if (!PyList_Check(list) || PyList_GET_SIZE(list) != p->n_layers) {
         PyErr_SetString(PyExc_ValueError, "decoder_run: one K and one V pool per layer");
         return -1;
@@ -343,14 +344,16 @@ static int take_pools(PyObject *list, const DecPlan *p, Py_buffer *b, int *held,
         if (PyObject_GetBuffer(PyList_GET_ITEM(list, l), pb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
             return -1;
         (*held)++;
-        if (!qm_is_f32(pb) || pb->ndim != 4 || pb->shape[2] != p->n_kv || pb->shape[3] != p->hd ||
+        const int type = qm_kv_type(pb, p->hd);
+        if (type < 0 || (*kv_type >= 0 && type != *kv_type) || pb->shape[2] != p->n_kv ||
             (shape[0] && (pb->shape[0] != shape[0] || pb->shape[1] != shape[1]))) {
             PyErr_SetString(PyExc_ValueError, "decoder_run: a KV pool has the wrong shape or type");
             return -1;
         }
         shape[0] = pb->shape[0];
         shape[1] = pb->shape[1];
-        ptrs[l] = (float *)pb->buf;
+        *kv_type = type;
+        ptrs[l] = pb->buf;
     }
     return 0;
 }
@@ -369,8 +372,8 @@ PyObject *qm_py_decoder_run(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (!p) return NULL;
     const int n = p->n_layers;
     Py_buffer *b = (Py_buffer *)calloc(2 * (size_t)n + 5, sizeof(Py_buffer));
-    float **pools = (float **)calloc(2 * (size_t)n + 1, sizeof(float *));
-    int held = 0, err = 0;
+    void **pools = (void **)calloc(2 * (size_t)n + 1, sizeof(void *));
+    int held = 0, err = 0, kv_type = -1;
     PyObject *result = NULL;
     Py_ssize_t shape[2] = {0, 0};
     if (!b || !pools) {
@@ -392,7 +395,8 @@ PyObject *qm_py_decoder_run(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "decoder_run: bad shapes or types");
         goto done;
     }
-    if (take_pools(args[2], p, b, &held, pools, shape) < 0 || take_pools(args[3], p, b, &held, pools + n, shape) < 0)
+    if (take_pools(args[2], p, b, &held, pools, shape, &kv_type) < 0 ||
+        take_pools(args[3], p, b, &held, pools + n, shape, &kv_type) < 0)
         goto done;
     const Py_ssize_t rows = shape[0] * shape[1];
     const int64_t *positions = (const int64_t *)ps->buf, *slots = (const int64_t *)sl->buf,
@@ -415,7 +419,7 @@ PyObject *qm_py_decoder_run(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     const size_t need = scratch_layout(p, (size_t)T).total;
     WITH_POOL(err = grow_scratch(need) < 0 ||
-                    run_layers(p, (float *)h->buf, (int)T, pools, pools + n, (int)shape[1], positions, slots,
+                    run_layers(p, (float *)h->buf, (int)T, pools, pools + n, kv_type, (int)shape[1], positions, slots,
                                (const int64_t *)bt->buf, bt_row, lens) < 0);
     if (err) {
         PyErr_NoMemory();

@@ -18,6 +18,7 @@ next call writes them. */
 #endif
 
 #define MAX_THREADS 64
+#define WORKER_STACK ((size_t)4 << 20)
 
 static int g_threads = 1;                 /* threads used per call, the caller included */
 static int g_started = 0;                 /* workers created so far */
@@ -110,6 +111,9 @@ static void start_workers(int n) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        /* attention converts float16 / int8 KV tiles on the stack (up to 128 KiB); macOS gives
+           threads 512 KiB */
+        pthread_attr_setstacksize(&attr, WORKER_STACK);
         if (pthread_create(&g_workers[g_started], &attr, worker_main, (void *)(intptr_t)(g_started + 1)) != 0) {
             pthread_attr_destroy(&attr);
             break;

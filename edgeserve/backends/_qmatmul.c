@@ -1363,5 +1363,11 @@ PyMODINIT_FUNC PyInit__qmatmul(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     select_isa(isa_supported("avx512vnni") ? "avx512vnni" : isa_supported("avx2") ? "avx2" : "generic");
+    PyObject *kv_types = qm_kv_type_names();
+    if (!kv_types || PyModule_AddObject(m, "KV_TYPES", kv_types) < 0) {
+        Py_XDECREF(kv_types);
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }

@@ -37,10 +37,26 @@ int qm_gemm(const QmMatrix *m, const float *x, int R, float *out, Py_ssize_t ldo
 /* The widest head attention takes. */
 #define QM_MAX_HEAD_DIM 256
 
-/* Attention of D query rows q [D, H, hd] over the pools [blocks, bs, n_kv, hd], row s seeing
-   lens[s] keys through block_tables row s (its last `window` of them where window > 0); out
+/* A KV pool's element type. A pool is [blocks, bs, n_kv, head] with a head of hd float32 or float16
+   values, or (int8) hd int8 values followed by the float16 scales, max|x| / 127, of each 64 of them
+   (of all hd where hd is not a multiple of 64): a block carries its own scales, so whatever moves
+   blocks moves them too. */
+enum { QM_KV_F32 = 0, QM_KV_F16 = 1, QM_KV_I8 = 2 };
+
+/* The type of a 4-D pool buffer for heads of hd values, or -1 when it is none of them (float16 and
+   int8 need a compiler with _Float16). */
+int qm_kv_type(const Py_buffer *b, Py_ssize_t hd);
+
+/* The names of the types this build reads and writes ("float32", "float16", "int8"), a tuple. */
+PyObject *qm_kv_type_names(void);
+
+/* Bytes of one head of hd values in a pool of the type. */
+size_t qm_kv_head_bytes(int kv_type, int hd);
+
+/* Attention of D query rows q [D, H, hd] over the pools of kv_type [blocks, bs, n_kv, head], row s
+   seeing lens[s] keys through block_tables row s (its last `window` of them where window > 0); out
    [D, H, hd] C-contiguous. -1 when out of memory. */
-int qm_attention(const float *q, Py_ssize_t q_row, const float *k, const float *v, int bs, int n_kv,
+int qm_attention(const float *q, Py_ssize_t q_row, const void *k, const void *v, int kv_type, int bs, int n_kv,
                  const int64_t *block_tables, Py_ssize_t bt_row, const int64_t *lens, int D, int H, int hd,
                  float scale, int window, float *out);
 
@@ -52,8 +68,10 @@ int qm_is_i64(const Py_buffer *b);
 int qm_bad_table_row(const int64_t *block_tables, Py_ssize_t bt_row, Py_ssize_t bt_cols, const int64_t *lens, int D,
                      int bs, Py_ssize_t blocks);
 
-/* Rows `slots` of a KV pool (rows of `row` floats) = values, rows `values_row` floats apart; slots checked by the caller. */
-void qm_write_kv(float *cache, const float *values, Py_ssize_t values_row, const int64_t *slots, int rows, size_t row);
+/* Rows `slots` of a KV pool of kv_type (rows of n_kv heads of hd values) = values float32, rows
+   `values_row` floats apart, converted to the pool's type; slots checked by the caller. */
+void qm_write_kv(void *cache, int kv_type, const float *values, Py_ssize_t values_row, const int64_t *slots, int rows,
+                 int n_kv, int hd);
 
 void qm_rms_norm(const float *x, Py_ssize_t x_row, const float *w, float *out, Py_ssize_t out_row, int rows, int cols,
                  float eps);

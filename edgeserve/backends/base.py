@@ -35,7 +35,7 @@ class Backend(Protocol):
     """The operations a backend provides; each returns new arrays unless it says otherwise."""
 
     name: str  # "numpy", "mlx"
-    kv_dtype_bytes: int  # bytes of one KV pool element, for sizing the pool
+    kv_dtype: str  # the KV pool's element type, one of KV_DTYPES: "float32", "float16" or "int8"
 
     def describe(self) -> str:
         """One line for the start-up message, e.g. 'numpy (float32 weights)'."""

@@ -49,11 +49,12 @@ class CPUDecoder:
         self.plan = plan
 
     @classmethod
-    def build(cls, layers: list[Any], eps: float, ropes: list[tuple[np.ndarray, np.ndarray]]) -> CPUDecoder | None:
+    def build(cls, layers: list[Any], eps: float, ropes: list[tuple[np.ndarray, np.ndarray]],
+              kv_dtype: str) -> CPUDecoder | None:
         """A decoder for layers described as `models.llama.Layer`, rotated by `ropes` (the tables
-        `attention.rope` indexes); None where a weight is not packed for the C gemm or the heads are
-        wider than attention's kernels take."""
-        if not layers or not qmatmul.compiled():
+        `attention.rope` indexes), on a KV pool of kv_dtype; None where a weight is not packed for the C
+        gemm, the heads are wider than attention's kernels take or the build has no kernels for kv_dtype."""
+        if not layers or not qmatmul.compiled() or kv_dtype not in qmatmul._ext.KV_TYPES:
             return None
         specs = [_layer_spec(layer) for layer in layers]
         if None in specs:

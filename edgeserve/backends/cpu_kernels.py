@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from edgeserve.backends import qmatmul
+from edgeserve.backends import kv_formats, qmatmul
 from edgeserve.backends.lazy_jit import njit
 from edgeserve.system import usable_cores
 
@@ -41,7 +41,7 @@ _pool = ThreadPoolExecutor(_CORES - 1, thread_name_prefix="attention") if _CORES
 
 def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
                      context_lens: np.ndarray, window: int | None = None) -> np.ndarray:
-    """Attention of queries q [D, n_heads, head_dim] over K/V pools [blocks, block_size, n_kv, head_dim].
+    """Attention of queries q [D, n_heads, head_dim] over K/V pools [blocks, block_size, n_kv, head] (kv_formats).
 
     block_tables [D, max_blocks] and context_lens [D] say where each row's keys are and how many it
     sees; with a window, a row sees only the last `window` of them (a sliding-window layer).
@@ -52,6 +52,10 @@ def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bl
     if ops is not None and ops.attention(q, k_cache, v_cache, block_tables, context_lens, out, scale, span):
         return out
     q = np.ascontiguousarray(q)
+    if k_cache.dtype != np.float32:  # the blocks the rows read, converted, and their tables renumbered
+        blocks, renumbered = np.unique(block_tables, return_inverse=True)
+        k_cache, v_cache = (kv_formats.load(c[blocks], q.shape[-1]) for c in (k_cache, v_cache))
+        block_tables = renumbered.reshape(block_tables.shape).astype(np.int64)
     if _pool is None or len(q) < _MIN_ROWS_TO_SPLIT:
         _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, span, out)
         return out

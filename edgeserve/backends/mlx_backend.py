@@ -16,6 +16,7 @@ import mlx.nn as nn
 import numpy as np
 
 from edgeserve.batch import Batch
+from edgeserve.errors import EdgeserveError
 from edgeserve.metal import select_attention
 from edgeserve.quant.affine import QuantizedTensor
 from edgeserve.quant.kquants import KQuantTensor
@@ -79,10 +80,13 @@ class MLXMeta:
 class MLXBackend:
     name = "mlx"
 
-    def __init__(self) -> None:
+    def __init__(self, kv_dtype: str = "auto") -> None:
         on_gpu = mx.default_device().type == mx.DeviceType.gpu
         self.dtype = mx.float16 if on_gpu else mx.float32
-        self.kv_dtype_bytes = self.dtype.size
+        self.kv_dtype = "float16" if on_gpu else "float32"
+        if kv_dtype not in ("auto", self.kv_dtype):
+            raise EdgeserveError(f"--kv-dtype {kv_dtype} runs on the numpy backend; the mlx backend keeps K/V in "
+                                 f"its activations' dtype ({self.kv_dtype} here)")
         self.attention = select_attention()
         self._written: list[mx.array] = []  # this step's pool arrays, evaluated with its logits
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from edgeserve.backends import WEIGHT_MODES, cpu_kernels, panel_cache, qmatmul
+from edgeserve.backends import KV_DTYPES, WEIGHT_MODES, cpu_kernels, kv_formats, panel_cache, qmatmul
 from edgeserve.backends.cpu_decoder import CPUDecoder
 from edgeserve.backends.cpu_kernels import compile_now, decode_attention
 from edgeserve.backends.qmatmul import QMatrix
@@ -105,12 +105,14 @@ class NumpyMeta:
 
 class NumpyBackend:
     name = "numpy"
-    kv_dtype = np.float32
-    kv_dtype_bytes = np.dtype(kv_dtype).itemsize
 
-    def __init__(self, weights: str = "float32", threads: int | None = None, activations: str | None = None):
+    def __init__(self, weights: str = "float32", threads: int | None = None, activations: str | None = None,
+                 kv_dtype: str = "float32"):
         _check_mode(weights)
+        if kv_dtype not in KV_DTYPES:
+            raise EdgeserveError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
         self.weights = weights
+        self.kv_dtype = kv_dtype
         self.threads = qmatmul.set_num_threads(threads)
         if activations is not None:  # one setting for the process, like the threads
             qmatmul.set_activations(activations)
@@ -177,7 +179,7 @@ class NumpyBackend:
         if self.weights != "quantized":
             return None
         self.commit_panels()
-        return CPUDecoder.build(layers, eps, ropes)
+        return CPUDecoder.build(layers, eps, ropes, self.kv_dtype)
 
     def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
         angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
@@ -274,11 +276,11 @@ class NumpyBackend:
         return out
 
     def allocate_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> np.ndarray:
-        return np.zeros((num_blocks, block_size, n_kv_heads, head_dim), dtype=self.kv_dtype)
+        return kv_formats.allocate(self.kv_dtype, num_blocks, block_size, n_kv_heads, head_dim)
 
     def write_kv(self, cache: np.ndarray, values: np.ndarray, meta: NumpyMeta) -> np.ndarray:
         if not cpu_kernels.write_kv(cache, values, meta.slot_mapping):
-            cache.reshape(-1, *cache.shape[2:])[meta.slot_mapping] = values
+            cache.reshape(-1, *cache.shape[2:])[meta.slot_mapping] = kv_formats.store(values, self.kv_dtype)
         return cache
 
     def copy_blocks(self, cache: np.ndarray, pairs: list[tuple[int, int]]) -> np.ndarray:

@@ -105,9 +105,8 @@ class LLMEngine:
         self.model = model
         self.tokenizer = model.tokenizer
         self.backend = get_backend(config.backend, weights=config.weights, model=model, threads=config.threads,
-                                   activations=config.activations)
-        self.pool_size = size_pool(model.args, config.kv_budget_bytes(), config.block_size,
-                                   self.backend.kv_dtype_bytes)
+                                   activations=config.activations, kv_dtype=config.kv_dtype)
+        self.pool_size = size_pool(model.args, config.kv_budget_bytes(), config.block_size, self.backend.kv_dtype)
         self.runner = ModelRunner(model, self.backend, self.pool_size)
         self.block_manager = BlockManager(self.pool_size.num_blocks, config.block_size, config.enable_prefix_caching)
         self.speculator = Speculator(config.speculative)

@@ -46,16 +46,13 @@ def windows(n_tokens: int, ctx: int, stride: int) -> list[tuple[int, int, int]]:
     return spans
 
 
-def perplexity(
-    engine: LLMEngine, ids: list[int], ctx: int = 512, stride: int | None = None, progress: bool = True,
-    label: str = "perplexity", bos: int | None = None,
-) -> PerplexityResult:
-    """Perplexity of the token ids under the engine's model; `label` names its progress bar.
+def scored_windows(ids: list[int], ctx: int, stride: int | None = None,
+                   bos: int | None = None) -> list[tuple[list[int], slice, np.ndarray]]:
+    """Each window's tokens, the rows of its logits that score (row p predicts token p + 1), and their targets.
 
     With `bos`, every window starts with that token in place of its first one, as the first window
     does (a model whose text always follows BOS, such as Gemma, reads a window without it badly);
-    llama-perplexity does the same. Uses `engine.prompt_logits`, so no requests may be running on
-    the engine meanwhile.
+    llama-perplexity does the same.
     """
     stride = stride or max(1, ctx // 2)
     if ctx < 2:
@@ -64,20 +61,36 @@ def perplexity(
         raise EdgeserveError(f"the stride must be between 1 and the window ({ctx}), got {stride}")
     if len(ids) < 2:
         raise EdgeserveError("the text must be at least 2 tokens long to measure perplexity")
-    spans = windows(len(ids), ctx, stride)
+    out = []
+    for begin, end, first in windows(len(ids), ctx, stride):
+        window = ids[begin:end]
+        if bos is not None and begin > 0:
+            window = [bos, *window[1:]]
+        out.append((window, slice(first - 1 - begin, end - 1 - begin), np.asarray(ids[first:end])))
+    return out
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities of rows of logits, in float64."""
+    rows = logits.astype(np.float64)
+    top = rows.max(axis=-1, keepdims=True)
+    return rows - top - np.log(np.exp(rows - top).sum(axis=-1, keepdims=True))
+
+
+def perplexity(
+    engine: LLMEngine, ids: list[int], ctx: int = 512, stride: int | None = None, progress: bool = True,
+    label: str = "perplexity", bos: int | None = None,
+) -> PerplexityResult:
+    """Perplexity of the token ids under the engine's model, over `scored_windows`; `label` names its
+    progress bar. Uses `engine.prompt_logits`, so no requests may be running on the engine meanwhile.
+    """
+    stride = stride or max(1, ctx // 2)
+    spans = scored_windows(ids, ctx, stride, bos)
     nll_sum, count = 0.0, 0
     with tqdm(spans, unit="window", desc=label, disable=not progress) as bar:
-        for begin, end, first in bar:
-            window = ids[begin:end]
-            if bos is not None and begin > 0:
-                window = [bos, *window[1:]]
-            logits = engine.prompt_logits(window).astype(np.float64)
-            # The row of position p predicts the token at p + 1.
-            rows = logits[first - 1 - begin : end - 1 - begin]
-            targets = np.asarray(ids[first:end])
-            top = rows.max(axis=-1)
-            log_z = top + np.log(np.exp(rows - top[:, None]).sum(axis=-1))
-            nll_sum += float((log_z - rows[np.arange(len(targets)), targets]).sum())
+        for window, rows, targets in bar:
+            logp = log_softmax(engine.prompt_logits(window)[rows])
+            nll_sum -= float(logp[np.arange(len(targets)), targets].sum())
             count += len(targets)
             bar.set_postfix(ppl=f"{math.exp(nll_sum / count):.3f}")
     mean = nll_sum / count

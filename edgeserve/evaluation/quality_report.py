@@ -49,7 +49,7 @@ def model_perplexity(
 ) -> tuple[PerplexityResult, str]:
     """Perplexity of a loaded model on a text, and the name of the backend that computed it."""
     # The KV pool needs one window (plus a block of slack) at float32, the widest KV dtype.
-    kv_bytes = kv_bytes_per_token(model.args, 4) * (ctx + 64)
+    kv_bytes = kv_bytes_per_token(model.args, "float32") * (ctx + 64)
     engine = LLMEngine(model, backend=backend, kv_memory=kv_bytes)
     return text_perplexity(engine, text, ctx, progress=progress, label=label), engine.backend.name
 
