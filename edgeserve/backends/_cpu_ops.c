@@ -79,7 +79,7 @@ typedef struct {
     const AttItem *items;
     Py_ssize_t q_row, bt_row; /* elements between rows of q and of block_tables */
     size_t head_bytes;        /* one KV head in the pool */
-    int H, hd, bs, n_kv, slot_floats, kv_type;
+    int H, hd, bs, n_kv, slot_floats, kv_type, n_items;
     int window; /* a row sees its last `window` keys only (sliding-window layers); 0: all of them */
     float scale;
 } AttTask;
@@ -370,6 +370,17 @@ INLINE void prefetch_rows(const AttTask *t, const size_t *next, int r0, int r1) 
         }
 }
 
+/* The first keys of the item after this one, which the pool most likely hands the same thread (it claims
+   items in order): fetched while this one computes, since its own first tile has no tile before it. */
+INLINE void prefetch_next_item(const AttTask *t, int index) {
+    if (index + 1 >= t->n_items) return;
+    const AttItem *it = &t->items[index + 1];
+    const int n = it->t1 - it->t0 < ATT_TILE ? it->t1 - it->t0 : ATT_TILE;
+    size_t off[ATT_TILE];
+    tile_offsets(t, it, it->t0, n, off);
+    prefetch_rows(t, off, 0, n);
+}
+
 static inline AVX2_OPS __attribute__((always_inline)) float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -473,6 +484,7 @@ static inline AVX2_OPS __attribute__((always_inline)) void att_item_avx2_body(co
 static AVX2_OPS void att_item_avx2(const void *ctx, int index) {
     const AttTask *t = (const AttTask *)ctx;
     const AttItem *it = &t->items[index];
+    prefetch_next_item(t, index);
     switch (t->hd) {
     case 64: att_item_avx2_body(t, it, 8); break;
     case 128: att_item_avx2_body(t, it, 16); break;
@@ -668,6 +680,7 @@ static int run_attention(AttTask *t, const int64_t *lens, int D) {
                 }
         }
     t->items = g_items;
+    t->n_items = (int)n;
     t->part = g_part;
     qm_item_fn fn = att_item_generic;
 #ifdef QM_X86
