@@ -56,7 +56,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from edgeserve.backends import ACTIVATION_MODES, DEFAULT_ACTIVATIONS
+from edgeserve.backends import ACTIVATION_MODES, DEFAULT_ACTIVATIONS, KV_DTYPES
 from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, home, pull
 from edgeserve.quant.gguf_file import read_gguf
 from edgeserve.system import usable_cores
@@ -234,15 +234,16 @@ class Bench:
     """One sitting: the GGUF, the tools, the settings, and the figures gathered so far."""
 
     def __init__(self, gguf: Path, bin_dir: Path, threads: int, weights: str, activations: str | None,
-                 kv_memory: str, progress: Progress) -> None:
+                 kv_memory: str, kv_dtype: str, progress: Progress) -> None:
         self.gguf, self.bin, self.threads = gguf, bin_dir, threads
-        self.weights, self.activations, self.kv_memory, self.progress = weights, activations, kv_memory, progress
+        self.weights, self.activations, self.progress = weights, activations, progress
+        self.kv_memory, self.kv_dtype = kv_memory, kv_dtype
         self.results: dict[str, Any] = {}
 
     def edgeserve_args(self) -> list[str]:
         """Model options shared by `edgeserve bench` and `edgeserve serve`: the CPU backend on the same file."""
         args = ["-m", str(self.gguf), "--backend", "numpy", "--weights", self.weights, "--kv-memory", self.kv_memory,
-                "--threads", str(self.threads)]
+                "--kv-dtype", self.kv_dtype, "--threads", str(self.threads)]
         return [*args, "--activations", self.activations] if self.activations else args
 
     def llama_args(self) -> list[str]:
@@ -509,11 +510,13 @@ def parse_list(text: str) -> list[int]:
 @click.option("--activations", type=click.Choice(list(ACTIVATION_MODES)), default=None,
               help="edgeserve --activations: int8 is llama.cpp's own activation precision [default: edgeserve's].")
 @click.option("--kv-memory", default="1GiB", show_default=True, help="edgeserve KV pool (64 x 256 tokens fit 1GiB).")
+@click.option("--kv-dtype", type=click.Choice(["auto", *KV_DTYPES]), default="auto", show_default=True,
+              help="edgeserve --kv-dtype (llama.cpp keeps its default, float16).")
 @click.option("--probe-size", default=1 << 30, show_default=True, help="Bytes summed by the bandwidth probe.")
 @click.option("--json", "as_json", is_flag=True, help="Print every figure as JSON on stdout.")
 def main(model_name: str | None, llama_cpp: Path | None, only: str, streams: str, http_clients: int,
          http_requests: int, threads: int, repetitions: int, weights: str, activations: str | None, kv_memory: str,
-         probe_size: int, as_json: bool) -> None:
+         kv_dtype: str, probe_size: int, as_json: bool) -> None:
     """Benchmark edgeserve against llama.cpp's own tools on the same GGUF, same machine, same sitting."""
     parts = {p.strip() for p in only.split(",") if p.strip()}
     if unknown := parts - set(PARTS):
@@ -536,7 +539,7 @@ def main(model_name: str | None, llama_cpp: Path | None, only: str, streams: str
         except ToolError as exc:
             raise click.ClickException(f"no llama.cpp tools: {exc}") from exc
         progress.console.print(f"llama.cpp tools: {bin_dir}")
-        bench = Bench(gguf, bin_dir, threads, weights, activations, kv_memory, progress)
+        bench = Bench(gguf, bin_dir, threads, weights, activations, kv_memory, kv_dtype, progress)
         steps = {
             "single": lambda: bench.single(repetitions),
             "batched": lambda: bench.batched(parse_list(streams)),
@@ -552,7 +555,7 @@ def main(model_name: str | None, llama_cpp: Path | None, only: str, streams: str
                     failures.append(part)
                     progress.console.print(f"[red]{part} failed:[/] {escape(str(exc))}")
     results = {"model": str(gguf), "model_shape": model_shape(gguf), "threads": threads, "weights": weights,
-               "activations": activations or DEFAULT_ACTIVATIONS, **bench.results}
+               "activations": activations or DEFAULT_ACTIVATIONS, "kv_dtype": kv_dtype, **bench.results}
     results["rows"] = table_rows(results)
     print_table(results)
     if as_json:

@@ -222,6 +222,19 @@ def test_bench_shows_progress_within_a_request_and_tables_in_ms(model_path):
     assert "time per output token p50 (ms)" in result.stderr and "output tokens/s" in result.stderr
 
 
+def test_bench_sweep_at_a_longer_context_reads_a_shared_prefix(model_path):
+    """--context 600: each stream holds 600 tokens when it starts decoding, 472 of them a prefix computed once and
+    then found in the prefix cache by both streams."""
+    result = invoke("bench", "--model", str(model_path), *ENGINE, "-w", "sweep", "--streams", "2", "--context", "600",
+                    "--kv-dtype", "int8", "--json")
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)["sweep"][0]
+    assert row["streams"] == 2 and row["context"] == 600 and row["decode_tokens_per_s"] > 0
+    assert "shared prefix" in result.stderr
+    refused = invoke("bench", "--model", str(model_path), "--url", "http://127.0.0.1:9", "--context", "600")
+    assert refused.exit_code != 0 and "--context" in refused.output
+
+
 def test_eval_perplexity_scores_windows_as_long_as_its_context(model_path, tmp_path):
     """-c sets the window and the context alike: a window of exactly -c tokens is scored, not refused."""
     text = tmp_path / "text.txt"
