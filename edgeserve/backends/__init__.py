@@ -29,7 +29,8 @@ WEIGHT_MODES = ("float32", "quantized")
 ACTIVATION_MODES = ("int8", "int16")
 DEFAULT_ACTIVATIONS = "int8"
 
-__all__ = ["ACTIVATION_MODES", "BACKENDS", "DEFAULT_ACTIVATIONS", "KV_DTYPES", "WEIGHT_MODES", "Backend", "get_backend", "resident_weight_bytes"]
+__all__ = ["ACTIVATION_MODES", "BACKENDS", "DEFAULT_ACTIVATIONS", "DEFAULT_CPU_KV_DTYPE", "KV_DTYPES", "WEIGHT_MODES",
+           "Backend", "get_backend", "resident_weight_bytes"]
 
 # names this package hands out from a backend module, loaded on first use
 _LAZY = {"Backend": "edgeserve.backends.base", "resident_weight_bytes": "edgeserve.backends.numpy_backend"}
