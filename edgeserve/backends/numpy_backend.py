@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from edgeserve.backends import KV_DTYPES, WEIGHT_MODES, cpu_kernels, kv_formats, panel_cache, qmatmul
+from edgeserve.backends import WEIGHT_MODES, cpu_kernels, kv_formats, panel_cache, qmatmul
 from edgeserve.backends.cpu_decoder import CPUDecoder
 from edgeserve.backends.cpu_kernels import compile_now, decode_attention
 from edgeserve.backends.qmatmul import QMatrix
@@ -109,8 +109,6 @@ class NumpyBackend:
     def __init__(self, weights: str = "float32", threads: int | None = None, activations: str | None = None,
                  kv_dtype: str = "float32"):
         _check_mode(weights)
-        if kv_dtype not in KV_DTYPES:
-            raise EdgeserveError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
         self.weights = weights
         self.kv_dtype = kv_dtype
         self.threads = qmatmul.set_num_threads(threads)
