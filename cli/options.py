@@ -59,8 +59,9 @@ def model_options(run: Callable | None = None, *, ctx_default: str = "the model'
                      help="CPU threads for the NumPy backend's kernels  [default: every core]")(f)
     f = click.option("--kv-dtype", type=click.Choice(["auto", *KV_DTYPES]), default="auto", show_default=True,
                      help="KV pool element type: float16 holds twice the tokens of float32 in the same --kv-memory, "
-                          "int8 (a scale per token and head) about four times; `edgeserve eval kv` measures what "
-                          f"each costs. auto: {DEFAULT_CPU_KV_DTYPE} on the CPU, the activations' dtype on MLX.")(f)
+                          "int8 (a scale per 64 values of a token's head) about four times; `edgeserve eval kv` "
+                          "measures what each costs (pair them with --activations int16 on small models). auto: "
+                          f"{DEFAULT_CPU_KV_DTYPE} on the CPU, the activations' dtype on MLX.")(f)
     f = click.option("--kv-memory", default=DEFAULT_KV_MEMORY, show_default=True,
                      help="KV pool size: 2GiB, 512MiB, or a fraction of free memory (0.25, 25%), whatever the "
                           "--kv-dtype.")(f)
