@@ -7,9 +7,11 @@ import dataclasses
 import json
 from collections.abc import Iterator
 
+import instructor
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from loopback import serving
 
@@ -108,3 +110,26 @@ def test_auto_tool_choice_holds_a_llama3_call_from_its_first_character(llama3_cl
             jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
             calls += 1
     assert calls  # the seeds' answers open with a call now and then
+
+
+class Worked(BaseModel):
+    """A reasoning-first schema: its order only helps if the model writes the reasoning before the answer."""
+
+    reasoning: str = Field(max_length=80)
+    answer: int
+
+
+@pytest.mark.parametrize("mode", [instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA])
+def test_instructor_create_partial_yields_growing_objects_in_schema_order(client: openai.OpenAI,
+                                                                          mode: instructor.Mode) -> None:
+    patched = instructor.from_openai(client, mode=mode)
+    kwargs = dict(model="model", response_model=Worked, temperature=0, max_tokens=120, max_retries=0,
+                  messages=[{"role": "user", "content": "What is 2 + 3? Think first, then answer."}])
+    partials = [p.model_dump() for p in patched.chat.completions.create_partial(**kwargs)]
+    reasonings = [p["reasoning"] or "" for p in partials]
+    # under TOOLS the object grows with the streamed call's argument fragments, not in one piece at the end
+    assert len(set(reasonings)) >= 4, reasonings
+    assert all(a == b[:len(a)] for a, b in zip(reasonings, reasonings[1:]))
+    first_answer = next(i for i, p in enumerate(partials) if p["answer"] is not None)
+    assert reasonings[first_answer] == reasonings[-1] != ""  # the reasoning was whole before the answer began
+    Worked.model_validate(partials[-1])  # the last is the whole object
