@@ -2,6 +2,9 @@
 
 Decode and prefill speed do not depend on the weight values, so a file with the layer shapes and
 tensor types of a real 1B, 3B or 8B Llama measures what that model would, without downloading it.
+Two other families' shapes are written in their own GGUF architecture: Qwen 3 1.7B (`qwen3`: q and
+k head norms, heads of 128 wide) and Phi-3 mini (`phi3`: q/k/v in one `attn_qkv`, gate and up in
+one `ffn_up`). Mistral's GGUF files are written as `llama`, so the Llama shapes stand for them.
 Quantized blocks are written directly as random bytes with float16 scales chosen so each weight
 is roughly N(0, 0.02) with zero mean: activations stay finite through 32 layers and the logits
 are spread like a real model's (the text is gibberish). The tokenizer and chat template are
@@ -11,11 +14,13 @@ Tensor types follow what `llama-quantize` picks for each file type:
 
 - q4_0: every matrix Q4_0, the output head (the embedding when tied) Q6_K;
 - q4_k_m: Q4_K, with Q6_K for the output head, and for attn_v and ffn_down in the first and last
-  eighth of the layers and every third layer between (llama.cpp's `use_more_bits`);
+  eighth of the layers and every third layer between (llama.cpp's `use_more_bits`); a fused
+  attn_qkv is Q5_K;
 - q8_0: every matrix Q8_0.
 
     python bench/make_gguf.py --shape 1b --type q4_0 -o llama-1b-q4_0.gguf
     python bench/make_gguf.py --shape 1b --shape 3b --type q4_0 --type q4_k_m --out-dir models/
+    python bench/make_gguf.py --shape qwen3-1.7b --shape phi3-mini --type q4_k_m --out-dir models/
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from edgeserve.quant.gguf_file import read_gguf
 
 @dataclass(frozen=True)
 class Shape:
-    """The dimensions of a Llama-architecture model; the vocabulary comes from the donor tokenizer."""
+    """The dimensions of a model of a Llama-like architecture; the vocabulary comes from the donor tokenizer."""
 
     hidden: int
     layers: int
@@ -48,16 +53,22 @@ class Shape:
     tied: bool  # the output head shares the token embedding (Llama 3.2 1B/3B) or has its own (3.1 8B)
     rope_base: float = 500000.0
     context: int = 8192
+    arch: str = "llama"  # GGUF general.architecture: llama, qwen3 or phi3
+    head_width: int | None = None  # where heads are not hidden / heads wide (Qwen 3)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_width or self.hidden // self.heads
 
 
 SHAPES = {
     "1b": Shape(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, tied=True),
     "3b": Shape(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192, tied=True),
     "8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, tied=False),
+    "qwen3-1.7b": Shape(hidden=2048, layers=28, heads=16, kv_heads=8, ffn=6144, tied=True, rope_base=1e6,
+                        context=40960, arch="qwen3", head_width=128),
+    "phi3-mini": Shape(hidden=3072, layers=32, heads=32, kv_heads=32, ffn=8192, tied=False, rope_base=10000.0,
+                       context=4096, arch="phi3"),
 }
 FILE_TYPES = {"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
@@ -79,6 +90,8 @@ def tensor_type(file_type: str, role: str, layer: int, layers: int) -> QT:
         return QT.Q4_0
     if role in ("attn_v", "ffn_down") and use_more_bits(layer, layers):
         return QT.Q6_K
+    if role == "attn_qkv":
+        return QT.Q5_K
     return QT.Q4_K
 
 
@@ -101,13 +114,15 @@ def random_blocks(rng: np.random.Generator, qtype: QT, rows: int, cols: int) -> 
         std_q = 4.61 if qtype == QT.Q4_0 else 73.9
         _, hi = _f16_bytes(TARGET_STD / std_q)
         b[:, 1] = (b[:, 1] & 0x80) | (hi & 0x7F)
-    elif qtype == QT.Q4_K:
-        # d, dmin (f16), 12 bytes of 6-bit sub-block scales and mins, 128 bytes of nibbles. Every
-        # sub-block gets scale 8 and min 8, and dmin = 7.5 d: value = 8 d (q - 7.5), centred.
-        _, hi = _f16_bytes(TARGET_STD / (8 * 4.61))
+    elif qtype in (QT.Q4_K, QT.Q5_K):
+        # d, dmin (f16), 12 bytes of 6-bit sub-block scales and mins, then the quants (Q5_K: 32 bytes
+        # of high bits first). Every sub-block gets scale 8 and min 8, and dmin = 7.5 d (15.5 d for
+        # Q5_K's 0..31): value = 8 d (q - 7.5) or 8 d (q - 15.5), centred.
+        centre, std_q = (7.5, 4.61) if qtype == QT.Q4_K else (15.5, 9.23)
+        _, hi = _f16_bytes(TARGET_STD / (8 * std_q))
         b[:, 1] = hi & 0x7F
         d = b[:, 0:2].copy().view(np.float16)[:, 0]
-        b[:, 2:4] = (d.astype(np.float32) * 7.5).astype(np.float16).view(np.uint8).reshape(n, 2)
+        b[:, 2:4] = (d.astype(np.float32) * centre).astype(np.float16).view(np.uint8).reshape(n, 2)
         b[:, 4:12] = 8
         b[:, 12:16] = 0x88
     elif qtype == QT.Q6_K:
@@ -138,22 +153,26 @@ def plan(shape: Shape, file_type: str, vocab: int) -> list[TensorPlan]:
     """Every tensor of the file in llama.cpp's order, with its type."""
     if file_type not in FILE_TYPES:
         raise ValueError(f"unknown file type {file_type!r}; one of {', '.join(FILE_TYPES)}")
-    h, kv, n = shape.hidden, shape.kv_heads * shape.head_dim, shape.layers
+    h, q, kv, n = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.layers
     embd_role = "output" if shape.tied else "embd"
     out = [TensorPlan("token_embd.weight", vocab, h, tensor_type(file_type, embd_role, 0, n))]
     for i in range(n):
         p = f"blk.{i}."
-        out += [
-            TensorPlan(p + "attn_norm.weight", 1, h, QT.F32),
-            TensorPlan(p + "attn_q.weight", h, h, tensor_type(file_type, "attn_q", i, n)),
-            TensorPlan(p + "attn_k.weight", kv, h, tensor_type(file_type, "attn_k", i, n)),
-            TensorPlan(p + "attn_v.weight", kv, h, tensor_type(file_type, "attn_v", i, n)),
-            TensorPlan(p + "attn_output.weight", h, h, tensor_type(file_type, "attn_output", i, n)),
-            TensorPlan(p + "ffn_norm.weight", 1, h, QT.F32),
-            TensorPlan(p + "ffn_gate.weight", shape.ffn, h, tensor_type(file_type, "ffn_gate", i, n)),
-            TensorPlan(p + "ffn_up.weight", shape.ffn, h, tensor_type(file_type, "ffn_up", i, n)),
-            TensorPlan(p + "ffn_down.weight", h, shape.ffn, tensor_type(file_type, "ffn_down", i, n)),
-        ]
+
+        def matrix(role: str, rows: int, cols: int) -> TensorPlan:
+            return TensorPlan(f"{p}{role}.weight", rows, cols, tensor_type(file_type, role, i, n))
+
+        if shape.arch == "phi3":
+            attention = [matrix("attn_qkv", q + 2 * kv, h)]
+            ffn = [matrix("ffn_up", 2 * shape.ffn, h)]  # gate and up, one after the other
+        else:
+            attention = [matrix("attn_q", q, h), matrix("attn_k", kv, h), matrix("attn_v", kv, h)]
+            ffn = [matrix("ffn_gate", shape.ffn, h), matrix("ffn_up", shape.ffn, h)]
+        if shape.arch == "qwen3":
+            attention += [TensorPlan(p + "attn_q_norm.weight", 1, shape.head_dim, QT.F32),
+                          TensorPlan(p + "attn_k_norm.weight", 1, shape.head_dim, QT.F32)]
+        out += [TensorPlan(p + "attn_norm.weight", 1, h, QT.F32), *attention, matrix("attn_output", h, q),
+                TensorPlan(p + "ffn_norm.weight", 1, h, QT.F32), *ffn, matrix("ffn_down", h, shape.ffn)]
     out.append(TensorPlan("output_norm.weight", 1, h, QT.F32))
     if not shape.tied:
         out.append(TensorPlan("output.weight", vocab, h, tensor_type(file_type, "output", n, n)))
@@ -193,7 +212,7 @@ def write_model(path: Path, shape: Shape, file_type: str, donor: Path, *, name: 
     tmp = path.with_name(path.name + ".partial")
     vocab = len(dict(donor_tokenizer(Path(donor)))["tokenizer.ggml.tokens"])
     tensors = plan(shape, file_type, vocab)
-    writer = gguf.GGUFWriter(tmp, "llama")
+    writer = gguf.GGUFWriter(tmp, shape.arch)
     writer.add_name(name)
     writer.add_file_type(int(FILE_TYPES[file_type]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -206,6 +225,9 @@ def write_model(path: Path, shape: Shape, file_type: str, donor: Path, *, name: 
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_dimension_count(shape.head_dim)
+    if shape.head_width is not None:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
     writer.add_rope_freq_base(shape.rope_base)
     writer.add_layer_norm_rms_eps(1e-5)
 
@@ -242,13 +264,13 @@ def write_model(path: Path, shape: Shape, file_type: str, donor: Path, *, name: 
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Output file (one shape and one type only).")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True,
-              help="Folder for files named llama-<shape>-<type>.gguf.")
+              help="Folder for files named llama-<shape>-<type>.gguf (or <family shape>-<type>.gguf).")
 @click.option("--tokenizer", "donor", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="GGUF to copy the tokenizer and chat template from [default: the default model's].")
 @click.option("--seed", type=int, default=0, show_default=True)
 def main(shapes: tuple[str, ...], types: tuple[str, ...], output: Path | None, out_dir: Path,
          donor: Path | None, seed: int) -> None:
-    """Write random-weight Llama-shaped GGUF files for benchmarking."""
+    """Write random-weight GGUF files of Llama, Qwen 3 and Phi-3 shapes for benchmarking."""
     jobs = [(s, t) for s in dict.fromkeys(shapes) for t in dict.fromkeys(types)]
     if output is not None and len(jobs) != 1:
         raise click.UsageError("-o names one file: give one --shape and one --type, or use --out-dir")
@@ -257,8 +279,12 @@ def main(shapes: tuple[str, ...], types: tuple[str, ...], output: Path | None, o
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
     with Progress(*columns) as progress:
         for s, t in jobs:
-            path = output or out_dir / f"llama-{s}-{t}.gguf"
-            size = write_model(path, SHAPES[s], t, donor, name=f"random llama {s} {t}", seed=seed,
+            stem = s if "-" in s else f"llama-{s}"  # family-named shapes carry their family
+            path = output or out_dir / f"{stem}-{t}.gguf"
+            # llama.cpp reads a name holding "phi3" as Phi-3's own vocabulary and looks up its special
+            # tokens, which the donor's vocabulary lacks
+            name = f"random {stem} {t}".replace("phi3", "phi")
+            size = write_model(path, SHAPES[s], t, donor, name=name, seed=seed,
                                progress=progress)
             progress.console.print(f"{path}  {size / 2**20:.0f} MiB")
 

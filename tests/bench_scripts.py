@@ -25,7 +25,7 @@ make_gguf = load_script("make_gguf")
 TINY = make_gguf.Shape(hidden=256, layers=8, heads=4, kv_heads=2, ffn=512, tied=False)
 
 
-def write_tiny(path: Path, file_type: str, donor: Path, seed: int = 3) -> Path:
-    """A TINY-shaped file of `file_type` with the donor GGUF's tokenizer."""
-    make_gguf.write_model(path, TINY, file_type, donor, seed=seed)
+def write_tiny(path: Path, file_type: str, donor: Path, seed: int = 3, shape: make_gguf.Shape = TINY) -> Path:
+    """A TINY-shaped (or `shape`d) file of `file_type` with the donor GGUF's tokenizer."""
+    make_gguf.write_model(path, shape, file_type, donor, seed=seed)
     return path

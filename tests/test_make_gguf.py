@@ -1,5 +1,7 @@
 """bench/make_gguf.py: random-weight Llama-shaped GGUF files that edgeserve loads and runs."""
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ from bench_scripts import TINY, make_gguf, write_tiny
 from edgeserve.config import EngineConfig
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.loader import load_model
+from edgeserve.quant.gguf_file import read_gguf
 
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0,
@@ -50,3 +53,22 @@ def test_a_written_file_loads_and_gives_finite_spread_logits(file_type, model_pa
 def test_unknown_file_type_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown file type"):
         make_gguf.plan(TINY, "q3_k", 1000)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_other_families_shapes_load_as_their_family(arch, model_path, tmp_path):
+    shape = dataclasses.replace(TINY, arch=arch, head_width=128 if arch == "qwen3" else None)
+    path = write_tiny(tmp_path / f"tiny-{arch}.gguf", "q4_k_m", model_path, shape=shape)
+    tensors = read_gguf(path).tensors
+    if arch == "phi3":
+        assert tensors["blk.0.attn_qkv.weight"].qtype == gguf.GGMLQuantizationType.Q5_K  # llama.cpp's Q4_K_M pick
+        assert "blk.0.ffn_gate.weight" not in tensors
+    else:
+        assert "blk.0.attn_q_norm.weight" in tensors
+
+    model = load_model(str(path))
+    assert model.args.model_type == arch
+    assert model.args.head_dim == shape.head_dim
+    engine = LLMEngine(model, EngineConfig(backend="numpy", kv_memory="16MiB"))
+    logits = engine.prompt_logits(model.tokenizer.encode("The quick brown fox"))
+    assert np.isfinite(logits).all() and 0.1 < logits.std() < 10
