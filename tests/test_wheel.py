@@ -27,6 +27,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from site import getsitepackages as site_packages
 
 from edgeserve.models.catalog import home
 
@@ -70,8 +71,10 @@ def venv(wheel, tmp_path_factory) -> Path:
                    check=True, timeout=TIMEOUT)
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
-    ours = sysconfig.get_paths()
-    (Path(site) / "test-environment.pth").write_text(f"{ours['purelib']}\n{ours['platlib']}\n")
+    # every site-packages of the running environment: a venv made with --system-site-packages holds
+    # its dependencies in the base interpreter's
+    ours = dict.fromkeys([*site_packages(), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    (Path(site) / "test-environment.pth").write_text("".join(f"{path}\n" for path in ours))
     return venv
 
 
