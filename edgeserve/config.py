@@ -10,6 +10,11 @@ from edgeserve.units import parse_size
 
 DEFAULT_KV_MEMORY = "1GiB"
 SPECULATIVE_MODES = ("auto", "ngram", "off")  # see engine/speculative.py
+# The commands' prefix-store tiers. RAM: a fixed modest size, since it fills only as the KV pool overflows and
+# should stay small beside the model; disk: for `serve` only, whose clients (agents) resend long prompts across
+# restarts, and a few GiB hold tens of thousands of tokens of a 1B model's K/V; a one-shot command keeps nothing.
+DEFAULT_PREFIX_CACHE_RAM = "512MiB"
+DEFAULT_SERVE_PREFIX_CACHE_DISK = "4GiB"
 
 
 @dataclass(frozen=True)
