@@ -1,12 +1,15 @@
 """The prefix store's RAM and disk tiers: LRU limits, entries checked on read, namespaces by model, and the
 engine loading evicted prefixes from each tier instead of recomputing them."""
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -18,6 +21,7 @@ from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.engine.prefix_store import SUFFIX, PrefixStore, decode_entry, encode_entry, namespaces
 from edgeserve.models.loader import model_fingerprint
 from edgeserve.sampling_params import SamplingParams
+from serve_process import ServeProcess
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -256,3 +260,62 @@ def test_cache_ls_and_clear(tiny_model, monkeypatch, tmp_path):
     cleared = runner.invoke(cli, ["cache", "clear", "--model", tiny_model.source.name])
     assert cleared.exit_code == 0, cleared.output
     assert namespaces() == []
+
+
+# a server restarted ------------------------------------------------------------------------------
+
+TEXT = Path(__file__).parents[1] / "edgeserve" / "evaluation" / "data" / "alice_ch1-2.txt"
+
+
+def streamed_completion(url: str, prompt: list[int]) -> tuple[float, list[int], dict]:
+    """A greedy streamed completion: seconds to its first token, its token ids, and its usage."""
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.monotonic()
+    ttft, tokens, usage = None, [], {}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            usage = event.get("usage") or usage
+            for choice in event["choices"]:
+                if ttft is None:
+                    ttft = time.monotonic() - start
+                tokens.append(choice["text"])
+    return ttft, tokens, usage
+
+
+@pytest.mark.slow
+def test_a_restarted_server_loads_a_long_prefix_from_disk(model_path, tmp_path):
+    """A 4,000-token prompt computed before a restart comes back from the disk tier after it: the same greedy
+    answer, many times sooner."""
+    env = {"EDGESERVE_HOME": str(tmp_path)}
+    args = ("--kv-memory", "512MiB", "--prefix-cache-disk", "1GiB")
+    server = ServeProcess(str(model_path), *args, env=env)
+    try:
+        ids = httpx.post(server.url + "/tokenize", json={"content": TEXT.read_text()}).json()["tokens"]
+        prompt = (ids * 2)[:4000]
+        cold_ttft, cold, usage = streamed_completion(server.url, prompt)
+        assert usage["prompt_tokens"] == 4000 and usage["prompt_tokens_details"]["cached_tokens"] == 0
+        server.signal(signal.SIGTERM)
+        assert server.wait(120) == 0
+    finally:
+        server.close()
+    stored = list((tmp_path / "prefix-cache").glob("*/*" + SUFFIX))
+    assert len(stored) == (4000 + 16 - 1) // 16  # every full block of the prompt and answer computed
+    server = ServeProcess(str(model_path), *args, env=env)
+    try:
+        warm_ttft, warm, usage = streamed_completion(server.url, prompt)
+        metrics = httpx.get(server.url + "/metrics").text
+        log = server.output()
+    finally:
+        server.close()
+    assert warm == cold
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 3984
+    assert 'edgeserve_prefix_cache_tier_hit_tokens_total{tier="disk"} 3984' in metrics
+    assert "cached=3984 diverged=- cached_ram=0 cached_disk=3984" in log
+    print(f"TTFT cold {cold_ttft:.3f}s, from the disk tier after a restart {warm_ttft:.3f}s "
+          f"({cold_ttft / warm_ttft:.1f}x)")
+    assert cold_ttft >= 5 * warm_ttft
