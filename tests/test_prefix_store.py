@@ -21,6 +21,7 @@ from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.engine.prefix_store import SUFFIX, PrefixStore, decode_entry, encode_entry, namespaces
 from edgeserve.models.loader import model_fingerprint
 from edgeserve.sampling_params import SamplingParams
+from model_folder import write_model_folder
 from serve_process import ServeProcess
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -319,3 +320,18 @@ def test_a_restarted_server_loads_a_long_prefix_from_disk(model_path, tmp_path):
     print(f"TTFT cold {cold_ttft:.3f}s, from the disk tier after a restart {warm_ttft:.3f}s "
           f"({cold_ttft / warm_ttft:.1f}x)")
     assert cold_ttft >= 5 * warm_ttft
+
+
+def test_run_keeps_its_prompt_for_the_next_run_with_a_disk_tier(tiny_model, tmp_path):
+    """`edgeserve run --prefix-cache-disk` keeps its prompt's blocks as it ends, for the next run to load."""
+    tiny_model_folder = tmp_path / "tiny"
+    write_model_folder(tiny_model, tiny_model_folder)
+    env = {**os.environ, "EDGESERVE_HOME": str(tmp_path)}
+    command = [sys.executable, "-m", "edgeserve.cli", "run", "-m", str(tiny_model_folder), "--backend", "numpy",
+               "--prefix-cache-disk", "1MiB", "--temp", "0", "-n", "4", "--json", "-p", "abcdefgh" * 8]
+    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    [space] = namespaces(tmp_path / "prefix-cache")
+    assert space.entries >= 64 // 16  # at least the prompt's four full blocks, kept as the command ended
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert json.loads(second.stdout)["text"] == json.loads(first.stdout)["text"]
