@@ -13,7 +13,7 @@ from edgeserve.units import format_size
 
 @click.group("cache")
 def cache_group() -> None:
-    """The prefix cache on disk: K/V of prompt prefixes kept across restarts (--prefix-cache-disk)."""
+    """List or clear the prefix cache on disk (K/V of prompt prefixes kept across restarts), per model."""
 
 
 @cache_group.command("ls")
