@@ -83,6 +83,7 @@ class ServingStatus:
     prefix_hit_rate: float | None = None
     block_size: int | None = None
     kv_blocks: list[KVBlock] | None = None
+    tier_hit_tokens: dict[str, int] | None = None  # prompt tokens loaded from the prefix store, by tier
 
 
 class ChatClient(ABC):
@@ -150,7 +151,8 @@ class EngineClient(ChatClient):
             running=st.running, waiting=st.waiting, batch_size=st.last_batch_seqs if st.running else 0,
             tokens_per_second=st.tokens_per_second if st.running else 0.0, memory_bytes=self.memory_bytes,
             prefix_hit_rate=st.prefix_hit_rate,
-            block_size=self.aengine.info.block_size, kv_blocks=blocks)
+            block_size=self.aengine.info.block_size, kv_blocks=blocks,
+            tier_hit_tokens={"ram": st.prefix_ram_hit_tokens, "disk": st.prefix_disk_hit_tokens})
 
 
 class RemoteClient(ChatClient):
@@ -286,12 +288,13 @@ class RemoteClient(ChatClient):
             return None
 
     async def _metrics(self) -> dict[str, float]:
-        """The unlabelled samples of the server's Prometheus /metrics, where it has one."""
+        """The samples of the server's Prometheus /metrics, where it has one, by name (with its labels, if any:
+        'name{tier="ram"}')."""
         response = await self._get(self.METRICS_PATH)
         samples = {}
         for line in response.text.splitlines() if response is not None else []:
             name, _, value = line.partition(" ")
-            if name and not name.startswith("#") and "{" not in name:
+            if name and not name.startswith("#"):
                 try:
                     samples[name] = float(value)
                 except ValueError:
@@ -303,11 +306,13 @@ class RemoteClient(ChatClient):
         metrics = await self._metrics()
         running = metrics.get("edgeserve_requests_running")
         waiting = metrics.get("edgeserve_requests_waiting")
+        tiers = {t: metrics.get(f'edgeserve_prefix_cache_tier_hit_tokens_total{{tier="{t}"}}') for t in ("ram", "disk")}
         return ServingStatus(
             running=len(self._active) if running is None else int(running),
             waiting=None if waiting is None else int(waiting),
             tokens_per_second=metrics.get("edgeserve_generation_tokens_per_second", self._client_tokens_per_second()),
-            block_size=kv[0] if kv else None, kv_blocks=kv[1] if kv else None)
+            block_size=kv[0] if kv else None, kv_blocks=kv[1] if kv else None,
+            tier_hit_tokens=None if None in tiers.values() else {t: int(n) for t, n in tiers.items()})
 
 
 async def stats_report(client: ChatClient, conversation: Conversation, last: ReplyStats | None) -> list[str]:

@@ -41,6 +41,8 @@ COMMANDS = {
                         "Talk with a model in the terminal; the answer streams as it is generated."),
     "tui": LazyCommand("edgeserve.cli.tui_cmd", "tui", "Chat in several sessions side by side and watch the engine "
                        "batch them (F1 or ? lists the keys)."),
+    "cache": LazyCommand("edgeserve.cli.cache_cmd", "cache_group", "List or clear the prefix cache on disk (K/V of "
+                         "prompt prefixes kept across restarts), per model."),
     "convert": LazyCommand("edgeserve.cli.convert_cmd", "convert_cmd", "Convert SOURCE (GGUF file, model folder, "
                            "catalog name or hub id) into an MLX-format folder."),
     "eval": LazyCommand("edgeserve.cli.convert_cmd", "eval_group", "Measure a model's quality."),

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from edgeserve.backends import ACTIVATION_MODES, BACKENDS, DEFAULT_ACTIVATIONS, DEFAULT_CPU_KV_DTYPE, KV_DTYPES, WEIGHT_MODES
-from edgeserve.config import DEFAULT_KV_MEMORY, SPECULATIVE_MODES, EngineConfig
+from edgeserve.config import DEFAULT_KV_MEMORY, DEFAULT_PREFIX_CACHE_RAM, SPECULATIVE_MODES, EngineConfig
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.sampling_params import FALLBACK_SAMPLING, SamplingDefaults, SamplingParams
@@ -32,23 +32,37 @@ class BackendChoice(click.Choice):
 
 
 def model_options(run: Callable | None = None, *, ctx_default: str = "the model's", several: bool = False,
-                  generates: bool = True) -> Callable:
+                  generates: bool = True, prefix_cache_disk: str = "0") -> Callable:
     """--model, and the engine's --backend, --weights, --activations, --kv-memory, --kv-dtype, --threads, --ctx-size and (where
-    the command generates text) --speculative, which reach the command as one EngineConfig argument `config`;
-    ctx_default: what --help says -c defaults to; several: -m may be given more than once (the command gets a
-    tuple, empty where none was given)."""
+    the command generates text) --speculative, --prefix-cache-ram and --prefix-cache-disk, which reach the command as one
+    EngineConfig argument `config`; ctx_default: what --help says -c defaults to; several: -m may be given more than
+    once (the command gets a tuple, empty where none was given); prefix_cache_disk: this command's disk tier."""
     if run is None:
-        return functools.partial(model_options, ctx_default=ctx_default, several=several, generates=generates)
+        return functools.partial(model_options, ctx_default=ctx_default, several=several, generates=generates,
+                                 prefix_cache_disk=prefix_cache_disk)
 
     @functools.wraps(run)
     def command(*args: object, backend: str, weights: str, activations: str | None, kv_memory: str, kv_dtype: str,
-                threads: int | None, ctx_size: int | None, speculative: str = "off", **kwargs: object) -> object:
+                threads: int | None, ctx_size: int | None, speculative: str = "off", prefix_cache_ram: str = "0",
+                prefix_cache_disk: str = "0", **kwargs: object) -> object:
         config = EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory, kv_dtype=kv_dtype, threads=threads,
-                              max_model_len=ctx_size, activations=activations, speculative=speculative)
+                              max_model_len=ctx_size, activations=activations, speculative=speculative,
+                              prefix_cache_ram=prefix_cache_ram, prefix_cache_disk=prefix_cache_disk)
+        config.prefix_cache_bytes()  # a bad size fails before anything loads
         return run(*args, config=config, **kwargs)
 
     f = command
     if generates:
+        f = click.option("--prefix-cache-disk", default=prefix_cache_disk, show_default=True, metavar="SIZE",
+                         help="Disk under $EDGESERVE_HOME/prefix-cache for the prefix blocks the RAM tier drops, and for "
+                              "the pool's when the engine stops: kept across restarts for this model file, KV dtype and "
+                              "block size, least recently used out first, shared by every model; 0: off. On for serve "
+                              "(agents resend long prompts, and a few GiB hold ~65k tokens of a 1B model's float32 K/V), "
+                              "off for one-shot commands.")(f)
+        f = click.option("--prefix-cache-ram", default=DEFAULT_PREFIX_CACHE_RAM, show_default=True, metavar="SIZE",
+                         help="RAM for the prefix blocks the KV pool evicts, so a prompt continuing one loads its K/V "
+                              "instead of computing it again; 0: off. A modest fixed size: it fills only as the pool "
+                              "overflows.")(f)
         f = click.option("--speculative", type=click.Choice(SPECULATIVE_MODES), default="off", show_default=True,
                          help="Speculative decoding: ngram guesses the next tokens from the prompt and output so "
                               "far (prompt lookup) and checks them in one step; auto does so only as far as it pays, by "

@@ -111,6 +111,7 @@ def run(model: str, config: EngineConfig, settings: dict, prompt_option: str | N
                     sys.stdout.write(out.text)
                     sys.stdout.flush()
     elapsed = time.perf_counter() - start
+    engine.close()  # with --prefix-cache-disk, the prompt's blocks are kept for the next run
     decode_tps = (n_out - 1) / (elapsed - ttft) if ttft is not None and n_out > 1 and elapsed > ttft else 0.0
     if as_json:
         click.echo(json.dumps({

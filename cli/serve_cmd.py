@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from edgeserve.cli.options import build_engine, model_options
-from edgeserve.config import EngineConfig
+from edgeserve.config import DEFAULT_SERVE_PREFIX_CACHE_DISK, EngineConfig
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, cached_path, names_for_file
 from edgeserve.server import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, DEFAULT_SHUTDOWN_TIMEOUT
@@ -87,7 +87,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 @click.command()
-@model_options(several=True)
+@model_options(several=True, prefix_cache_disk=DEFAULT_SERVE_PREFIX_CACHE_DISK)
 @click.option("--models-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Serve every GGUF file and model folder in this folder too (each by its name).")
 @click.option("--max-loaded-models", default=DEFAULT_MAX_LOADED_MODELS, show_default=True, type=click.IntRange(1),

@@ -133,6 +133,8 @@ class StatusPanel(Vertical):
             counts = {s: sum(b.state == s for b in status.kv_blocks) for s in GLYPHS}
             title += (f": {len(status.kv_blocks)} blocks × {status.block_size} tokens\n"
                       + "  ".join(f"{n} {s}" for s, n in counts.items()))
+        if status.tier_hit_tokens is not None:  # prompt tokens the prefix store gave back instead of a prefill
+            title += "\nprefix store hits  " + "  ".join(f"{t} {n} tokens" for t, n in status.tier_hit_tokens.items())
         self.kv_title.update(Text(title))
 
     def legend(self) -> Text:

@@ -10,6 +10,11 @@ from edgeserve.units import parse_size
 
 DEFAULT_KV_MEMORY = "1GiB"
 SPECULATIVE_MODES = ("auto", "ngram", "off")  # see engine/speculative.py
+# The commands' prefix-store tiers. RAM: a fixed modest size, since it fills only as the KV pool overflows and
+# should stay small beside the model; disk: for `serve` only, whose clients (agents) resend long prompts across
+# restarts, and a few GiB hold tens of thousands of tokens of a 1B model's K/V; a one-shot command keeps nothing.
+DEFAULT_PREFIX_CACHE_RAM = "512MiB"
+DEFAULT_SERVE_PREFIX_CACHE_DISK = "4GiB"
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,15 @@ class EngineConfig:
     threads: int | None = None  # CPU threads for the NumPy backend's kernels; None: every core
     activations: str | None = None  # NumPy kernels' activation integers, "int8" or "int16"; None: their default
     speculative: str = "off"  # speculative decoding: "auto", "ngram" or "off" (engine/speculative.py)
+    # the prefix store's tiers (engine/prefix_store.py): bytes of evicted prefix blocks kept in RAM and on disk
+    # under EDGESERVE_HOME ('512MiB', a byte count; 0 turns a tier off). Off here; the commands choose their own.
+    prefix_cache_ram: str | int = 0
+    prefix_cache_disk: str | int = 0
+
+    def prefix_cache_bytes(self) -> tuple[int, int]:
+        """The RAM and disk tiers' limits in bytes."""
+        return tuple(v if isinstance(v, int) else parse_size(v)  # type: ignore[return-value]
+                     for v in (self.prefix_cache_ram, self.prefix_cache_disk))
 
     def kv_budget_bytes(self) -> int:
         """kv_memory in bytes: '2GiB', '512MB', a byte count, or a fraction of available memory ('0.25', '25%')."""

@@ -6,7 +6,9 @@ Every format ends as the same thing: ModelArgs, a dict of weights under Hugging 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ import numpy as np
 from edgeserve.errors import ModelLoadError, ModelNotFoundError
 from edgeserve.models.base import ModelArgs, Weights
 from edgeserve.models.catalog import CATALOG, pull
+from edgeserve.system import home
 from edgeserve.models.registry import architecture, gguf_model_type
 from edgeserve.quant.affine import QuantizedTensor
 from edgeserve.quant.gguf_blocks import gguf_tensor_to_array
@@ -73,6 +76,47 @@ class WeightOrigin:
 def file_identity(path: Path) -> str:
     st = path.stat()
     return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def content_hash(path: Path) -> str:
+    """A BLAKE2b digest of a file's bytes, remembered by its identity (path, size, modification time) in
+    $EDGESERVE_HOME/file-hashes.json: a model of gigabytes takes seconds to hash, and every start of a server
+    with a disk prefix cache needs the digest, so a start reads the file again only after it has changed."""
+    identity = file_identity(path)
+    memo_path = home() / "file-hashes.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if not isinstance(memo, dict):
+        memo = {}
+    if identity in memo:
+        return memo[identity]
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    resolved = identity.split("|", 1)[0]
+    # one identity a path: an older version of the file is never asked for again
+    memo = {k: v for k, v in memo.items() if k.split("|", 1)[0] != resolved}
+    memo[identity] = h.hexdigest()
+    try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_name(f".{memo_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_path)
+    except OSError:
+        pass  # a read-only home: hashed again at the next start
+    return memo[identity]
+
+
+def model_fingerprint(source: Path) -> str:
+    """A digest of a model's files: the GGUF file, or every file of its folder (weights, config, tokenizer)."""
+    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
+    h = hashlib.blake2b(digest_size=16)
+    for p in files:
+        h.update(f"{'' if p == source else p.relative_to(source)}\0{content_hash(p)}\0".encode())
+    return h.hexdigest()
 
 
 class _Deferred:

@@ -135,3 +135,12 @@ class Backend(Protocol):
     def copy_blocks(self, cache: Array, pairs: list[tuple[int, int]]) -> Array:
         """Copy whole blocks (source, destination), for copy-on-write; the pool array to keep using."""
         ...
+
+    def read_blocks(self, cache: Array, blocks: list[int]) -> np.ndarray:
+        """Whole blocks of one layer's K or V as NumPy [len(blocks), block_size, n_kv_heads, head] in the pool's
+        own element type (an int8 block's scales included), for the prefix store."""
+        ...
+
+    def write_blocks(self, cache: Array, blocks: list[int], values: np.ndarray) -> Array:
+        """Put whole blocks read by read_blocks back into the pool at `blocks`; the pool array to keep using."""
+        ...

@@ -227,6 +227,14 @@ class MLXBackend:
         self._written.append(cache)
         return cache
 
+    def read_blocks(self, cache: mx.array, blocks: list[int]) -> np.ndarray:
+        return np.array(cache[mx.array(blocks, dtype=mx.int32)])
+
+    def write_blocks(self, cache: mx.array, blocks: list[int], values: np.ndarray) -> mx.array:
+        cache[mx.array(blocks, dtype=mx.int32)] = mx.array(values).astype(cache.dtype)
+        self._written.append(cache)
+        return cache
+
     def to_numpy(self, x: mx.array) -> np.ndarray:
         """Evaluate the step's graph, pool writes included (logits may not need them all), as float32 NumPy."""
         x = x.astype(mx.float32)

@@ -286,6 +286,13 @@ class NumpyBackend:
             cache[dst] = cache[src]
         return cache
 
+    def read_blocks(self, cache: np.ndarray, blocks: list[int]) -> np.ndarray:
+        return cache[blocks]
+
+    def write_blocks(self, cache: np.ndarray, blocks: list[int], values: np.ndarray) -> np.ndarray:
+        cache[blocks] = values
+        return cache
+
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
         return x
 

@@ -164,6 +164,8 @@ class AsyncEngine:
         except BaseException as exc:  # nothing left to run requests: fail every waiting caller now
             self._error = exc
             self._fail_all(EngineDeadError(self.error or repr(exc)))
+            return
+        self._engine.close()  # stopped: what its pool computed goes to the prefix store's disk tier
 
     def _fail_all(self, exc: Exception) -> None:
         """Fail every stream and pending call: after _error is set, nobody else will answer them."""

@@ -4,6 +4,10 @@ A full block's hash is a BLAKE2b digest of its parent's hash and its tokens, and
 checked against the tokens and parent the block was filled with, so one client's prompt can never
 be served another's K/V: not by a collision of a predictable hash, nor by a crafted prompt.
 Blocks nobody references stay in the cache (and in the free list, oldest first) until evicted.
+
+With a prefix store (prefix_store.py), an evicted block that held a prefix is recorded, so the engine moves its
+K/V there before the step writes the pool, and a lookup that misses in the pool goes on in the store: its hits
+take fresh blocks, whose K/V the engine writes from the store before the step's forward.
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgeserve.engine.prefix_store import BlockKey, PrefixStore, StoredBlock
 from edgeserve.engine.sequence import Sequence
+
+Hit = int | StoredBlock  # a prefix block found in the pool (its index), or in a tier of the prefix store
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -32,20 +39,25 @@ class BlockUsage:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 store: PrefixStore | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         # what a cached block was filled from: its parent's hash and its tokens, checked on every hit
-        self.block_key: list[tuple[bytes | None, tuple[int, ...]] | None] = [None] * num_blocks
+        self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.hash_to_block: dict[bytes, int] = {}
         self.children: dict[bytes | None, set[int]] = {}  # cached blocks by their parent's hash
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
         self._pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next step
         self.hit_tokens = 0
         self.query_tokens = 0
+        self.store = store if enable_prefix_caching else None
+        self.tier_hit_tokens = {"ram": 0, "disk": 0}  # of hit_tokens, those loaded from the store's tiers
+        self._evicted: list[tuple[int, bytes, BlockKey]] = []  # cached blocks taken since the last step
+        self._pending_loads: dict[int, StoredBlock] = {}  # blocks to fill from the store before the next step
 
     @property
     def num_free(self) -> int:
@@ -71,10 +83,28 @@ class BlockManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
+    def take_evicted(self) -> list[tuple[int, bytes, BlockKey]]:
+        """The cached blocks (block, hash, key) taken since the last call, whose K/V the pool still holds until
+        the next step writes it: the prefix store's to keep."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def take_pending_loads(self) -> dict[int, StoredBlock]:
+        """The blocks given to prefix-store hits since the last call, each with the K/V to write into it."""
+        loads, self._pending_loads = self._pending_loads, {}
+        return loads
+
+    def cached_blocks(self) -> list[tuple[int, bytes, BlockKey]]:
+        """Every pool block holding a prefix (block, hash, key), referenced or not."""
+        return [(b, h, self.block_key[b]) for b, h in enumerate(self.block_hash) if h is not None]  # type: ignore[misc]
+
     def _take(self) -> int:
         block, _ = self.free.popitem(last=False)
         h = self.block_hash[block]
         if h is not None:
+            if self._pending_loads.pop(block, None) is None and self.store is not None:
+                self._evicted.append((block, h, self.block_key[block]))  # type: ignore[arg-type]
+            # (a block whose load is still pending holds nothing yet: its K/V are the store's already)
             del self.hash_to_block[h]
             self.children[self.block_key[block][0]].discard(block)  # type: ignore[index]
             self.block_hash[block] = self.block_key[block] = None
@@ -101,19 +131,21 @@ class BlockManager:
             block = None
         return h, block
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding the longest prefix of seq (never its last token, which must be computed);
-        sets seq.prefix_diverged_at where they end short of that."""
+    def match_prefix(self, seq: Sequence) -> list[Hit]:
+        """Cached blocks holding the longest prefix of seq (never its last token, which must be computed), each
+        from the pool or else from the prefix store; sets seq.prefix_diverged_at where they end short of that."""
         seq.prefix_diverged_at = None
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        hits: list[int] = []
+        hits: list[Hit] = []
         parent = None
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             known = parent
             parent, block = self._lookup(parent, tokens)
+            if block is None and self.store is not None:
+                block = self.store.get(parent, (known, tuple(tokens)))
             if block is None:
                 seq.prefix_diverged_at = i * bs + self._common_run(known, tokens)
                 break
@@ -131,17 +163,33 @@ class BlockManager:
             best = max(best, n)
         return best
 
-    def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
-        reused_free = sum(1 for b in hits if self.ref_count[b] == 0)
-        fresh = blocks_for(len(hits) * self.block_size + num_new_tokens, self.block_size) - len(hits)
+    def can_admit(self, seq: Sequence, hits: list[Hit], num_new_tokens: int) -> bool:
+        in_pool = [b for b in hits if isinstance(b, int)]
+        reused_free = sum(1 for b in in_pool if self.ref_count[b] == 0)
+        # a store hit needs a fresh block like a computed one
+        fresh = blocks_for(len(hits) * self.block_size + num_new_tokens, self.block_size) - len(in_pool)
         return fresh + reused_free <= self.num_free
 
-    def admit(self, seq: Sequence, hits: list[int]) -> None:
-        """Start seq on the cached prefix blocks it matched."""
+    def admit(self, seq: Sequence, hits: list[Hit]) -> None:
+        """Start seq on the cached prefix blocks it matched: the pool's referenced first (so taking blocks for the
+        store's hits cannot evict them), then a block for each store hit, filled before the next step."""
         for b in hits:
-            self._ref(b)
-        seq.block_table = list(hits)
-        seq.block_hashes = [self.block_hash[b] for b in hits]  # type: ignore[misc]
+            if isinstance(b, int):
+                self._ref(b)
+        seq.tier_cached_tokens = {}
+        table = []
+        for hit in hits:
+            if isinstance(hit, int):
+                table.append(hit)
+                continue
+            block = self._take()
+            self._cache(block, hit.block_hash, hit.key)
+            self._pending_loads[block] = hit
+            table.append(block)
+            seq.tier_cached_tokens[hit.tier] = seq.tier_cached_tokens.get(hit.tier, 0) + self.block_size
+            self.tier_hit_tokens[hit.tier] += self.block_size
+        seq.block_table = table
+        seq.block_hashes = [self.block_hash[b] for b in table]  # type: ignore[misc]
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
         self.query_tokens += seq.num_tokens
         self.hit_tokens += seq.num_cached_tokens
@@ -176,10 +224,13 @@ class BlockManager:
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if h not in self.hash_to_block and self.block_hash[block] is None:
-                self.hash_to_block[h] = block
-                self.block_hash[block] = h
-                self.block_key[block] = (parent, tuple(tokens))
-                self.children.setdefault(parent, set()).add(block)
+                self._cache(block, h, (parent, tuple(tokens)))
+
+    def _cache(self, block: int, h: bytes, key: BlockKey) -> None:
+        self.hash_to_block[h] = block
+        self.block_hash[block] = h
+        self.block_key[block] = key
+        self.children.setdefault(key[0], set()).add(block)
 
     def trim(self, seq: Sequence) -> None:
         """Free seq's blocks past those its tokens need (slots a rejected draft was given)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, is_dataclass
@@ -17,13 +18,14 @@ from edgeserve.engine.block_manager import BlockManager, blocks_for
 from edgeserve.engine.constraints import Constraints
 from edgeserve.engine.kv_budget import size_pool
 from edgeserve.engine.model_runner import ModelRunner
+from edgeserve.engine.prefix_store import PrefixStore, namespace_key
 from edgeserve.engine.output import Completion, OutputProcessor, RequestOutput, merge_outputs
 from edgeserve.engine.sampler import check_guess, sample, token_logprobs
 from edgeserve.engine.scheduler import ScheduledSeq, Scheduler
 from edgeserve.engine.sequence import Sequence
 from edgeserve.engine.speculative import Speculator
 from edgeserve.errors import EdgeserveError, PromptTooLongError
-from edgeserve.models.loader import LoadedModel, load_model
+from edgeserve.models.loader import LoadedModel, load_model, model_fingerprint
 from edgeserve.sampling_params import SamplingDefaults, SamplingParams
 
 # An embedding from a prompt's final hidden states [tokens, hidden], by the model's pooling (LoadedModel.pooling)
@@ -46,6 +48,10 @@ class EngineStats:
     kv_tokens_stored: int = 0  # tokens whose K/V the running sequences hold
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
+    prefix_ram_hit_tokens: int = 0  # of prefix_hit_tokens, loaded from the prefix store's RAM tier
+    prefix_disk_hit_tokens: int = 0  # and from its disk tier
+    prefix_store_ram_bytes: int = 0  # K/V bytes the RAM tier holds
+    prefix_store_disk_bytes: int = 0  # and the disk tier (every model's entries, as this engine counts them)
     preemptions: int = 0
     tokens_per_second: float = 0.0  # output tokens per second over the recent window
     draft_tokens: int = 0  # tokens speculative decoding guessed and checked
@@ -108,7 +114,9 @@ class LLMEngine:
                                    activations=config.activations, kv_dtype=config.kv_dtype)
         self.pool_size = size_pool(model.args, config.kv_budget_bytes(), config.block_size, self.backend.kv_dtype)
         self.runner = ModelRunner(model, self.backend, self.pool_size)
-        self.block_manager = BlockManager(self.pool_size.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.prefix_store = self._open_prefix_store()
+        self.block_manager = BlockManager(self.pool_size.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.prefix_store)
         self.speculator = Speculator(config.speculative)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.static_batching, self.speculator.propose)
@@ -134,6 +142,38 @@ class LLMEngine:
             return None
         return (f"max_model_len capped to {self.max_model_len} tokens (the model's context is {self.context_len}): "
                 f"one sequence can hold no more of the KV pool; raise --kv-memory for longer ones")
+
+    def _open_prefix_store(self) -> PrefixStore | None:
+        """The prefix store's tiers where the config gives them room, in the namespace of what decides the K/V
+        bytes: the model's files, how the backend computes, and the pool's block layout and depth."""
+        ram, disk = self.config.prefix_cache_bytes()
+        if not self.config.enable_prefix_caching or (ram <= 0 and disk <= 0):
+            return None
+        # the RAM tier lives and dies with this engine and its model: only the disk tier needs the files' digest
+        files = model_fingerprint(self.model.source) if disk > 0 else ""
+        # the thread count changes how rows are split, not the numbers
+        compute = re.sub(r", \d+ threads?", "", self.backend.describe())
+        dtype, shape = self.runner.block_layout
+        namespace = namespace_key(files, compute, dtype.str, shape, self.model.args.num_hidden_layers)
+        meta = {"model": self.model.source.name, "path": str(self.model.source), "backend": compute,
+                "kv_dtype": self.backend.kv_dtype, "block_size": self.config.block_size}
+        return PrefixStore(namespace, ram, disk, meta=meta)
+
+    def close(self) -> None:
+        """Keep the pool's prefixes in the prefix store's disk tier and finish its writes (an engine stopping:
+        the next one starts from them)."""
+        store = self.prefix_store
+        if store is None:
+            return
+        if store.disk_limit > 0:
+            self._move_tiers()
+            store.persist()  # the RAM tier first: the pool's blocks are the newer, the last a full disk evicts
+            cached = self.block_manager.cached_blocks()
+            for start in range(0, len(cached), 64):  # a slice at a time: the writer drains while the pool is read
+                part = cached[start : start + 64]
+                for (_, h, key), data in zip(part, self.runner.read_blocks([b for b, _, _ in part])):
+                    store.save(h, key, data)
+        store.close()
 
     @property
     def vocab_size(self) -> int:
@@ -242,10 +282,24 @@ class LLMEngine:
         return results
 
     def _run(self, scheduled: list[ScheduledSeq]) -> np.ndarray:
+        self._move_tiers()
         copies = self.block_manager.take_pending_copies()
         if copies:
             self.runner.copy_blocks(copies)
         return self.runner.run(scheduled)
+
+    def _move_tiers(self) -> None:
+        """The K/V of blocks evicted since the last step into the prefix store, then the store's hits into the
+        blocks given to them: every read before any write, and both before the step's copies and forward
+        overwrite the pool."""
+        bm = self.block_manager
+        evicted = bm.take_evicted()
+        if evicted:
+            for (_, h, key), data in zip(evicted, self.runner.read_blocks([b for b, _, _ in evicted])):
+                self.prefix_store.put(h, key, data)  # type: ignore[union-attr]
+        loads = bm.take_pending_loads()
+        if loads:
+            self.runner.write_blocks(list(loads), [hit.data for hit in loads.values()])
 
     def _update(self, scheduled: list[ScheduledSeq]) -> None:
         """Count the step's tokens as computed (a draft's only once checked) and put newly full blocks into the
@@ -345,6 +399,7 @@ class LLMEngine:
         if not self.block_manager.allocate_slots(seq, len(token_ids)):
             raise PromptTooLongError(f"{len(token_ids)} tokens do not fit in the free KV blocks")
         try:
+            self._move_tiers()
             return self.runner.run([ScheduledSeq(seq, len(token_ids))], all_rows=True)
         finally:
             self.block_manager.free_seq(seq)
@@ -365,6 +420,7 @@ class LLMEngine:
                     raise PromptTooLongError(f"{sum(len(p) for p in prompts)} tokens to embed do not fit in the free "
                                              "KV blocks; send fewer inputs at once")
                 held.append(seq)
+            self._move_tiers()
             states = self.runner.run([ScheduledSeq(s, s.num_tokens) for s in seqs], all_rows=True, hidden=True)
         finally:
             for seq in held:
@@ -398,6 +454,11 @@ class LLMEngine:
         st.kv_tokens_stored = sum(seq.num_computed_tokens for seq in self.scheduler.running)
         st.prefix_hit_tokens = usage.prefix_hit_tokens
         st.prefix_query_tokens = usage.prefix_query_tokens
+        st.prefix_ram_hit_tokens = self.block_manager.tier_hit_tokens["ram"]
+        st.prefix_disk_hit_tokens = self.block_manager.tier_hit_tokens["disk"]
+        if self.prefix_store is not None:
+            store = self.prefix_store.usage()
+            st.prefix_store_ram_bytes, st.prefix_store_disk_bytes = store.ram_bytes, store.disk_bytes
         st.preemptions = self.scheduler.num_preemptions
         st.draft_tokens, st.accepted_draft_tokens = self.speculator.drafted, self.speculator.accepted
         st.draft_checks = self.speculator.verify_steps

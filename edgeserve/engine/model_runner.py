@@ -21,6 +21,9 @@ class ModelRunner:
         self.kv = KVPool(backend, self.args.num_hidden_layers, pool_size.num_blocks, pool_size.block_size,
                          self.args.num_key_value_heads, self.args.head_dim)
         self.block_size = pool_size.block_size
+        probe = backend.read_blocks(self.kv.k[0], [0])
+        # one block of one layer's K or V: its element type and shape, which the store's bytes are read back as
+        self.block_layout: tuple[np.dtype, tuple[int, ...]] = (probe.dtype, probe.shape[1:])
 
     def build_batch(self, scheduled: list[ScheduledSeq]) -> Batch:
         bs = self.block_size
@@ -58,6 +61,24 @@ class ModelRunner:
         for layer in range(self.args.num_hidden_layers):
             self.kv.k[layer] = self.backend.copy_blocks(self.kv.k[layer], pairs)
             self.kv.v[layer] = self.backend.copy_blocks(self.kv.v[layer], pairs)
+
+    def read_blocks(self, blocks: list[int]) -> list[bytes]:
+        """Each block's K and V of every layer as one byte string, as the pool holds them."""
+        parts = []
+        for layer in range(self.args.num_hidden_layers):
+            for cache in (self.kv.k[layer], self.kv.v[layer]):
+                parts.append(self.backend.read_blocks(cache, blocks).reshape(len(blocks), -1).view(np.uint8))
+        rows = np.stack(parts, axis=1)  # [blocks, 2 * layers, bytes of one]
+        return [row.tobytes() for row in rows]
+
+    def write_blocks(self, blocks: list[int], data: list[bytes]) -> None:
+        """Put blocks read by read_blocks (in this pool's layout) back at `blocks`."""
+        dtype, shape = self.block_layout
+        rows = np.frombuffer(b"".join(data), dtype=np.uint8).reshape(len(blocks), 2 * self.args.num_hidden_layers, -1)
+        for layer in range(self.args.num_hidden_layers):
+            for i, pool in enumerate((self.kv.k, self.kv.v)):
+                values = np.ascontiguousarray(rows[:, 2 * layer + i]).view(dtype).reshape(len(blocks), *shape)
+                pool[layer] = self.backend.write_blocks(pool[layer], blocks, values)
 
     def run(self, scheduled: list[ScheduledSeq], all_rows: bool = False, hidden: bool = False) -> np.ndarray:
         """Forward the step; return float32 logits [sampling rows (or every row), vocab] as NumPy (hidden: the

@@ -29,6 +29,7 @@ class RequestOutput:
     num_cached_tokens: int
     logprobs: list[dict] = field(default_factory=list)
     prefix_diverged_at: int | None = None  # the first prompt token no cached prefix had, if any
+    tier_cached_tokens: dict[str, int] = field(default_factory=dict)  # of num_cached_tokens, from each store tier
     ttft: float | None = None  # seconds from arrival to first token
     elapsed: float = 0.0  # seconds from arrival to this output
     error: str | None = None
@@ -107,6 +108,7 @@ class RequestState:
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=logprobs,
             prefix_diverged_at=seq.prefix_diverged_at,
+            tier_cached_tokens=seq.tier_cached_tokens,
             ttft=None if self.first_token_time is None else self.first_token_time - seq.arrival_time,
             elapsed=time.perf_counter() - seq.arrival_time,
             stop_string=self.stop_string,

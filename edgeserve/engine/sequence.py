@@ -32,6 +32,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the pool
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
+    tier_cached_tokens: dict[str, int] = field(default_factory=dict)  # of those, loaded from each prefix-store tier
     prefix_diverged_at: int | None = None  # where the prompt left the longest cached prefix (None: it did not)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full, computed blocks
     draft_state: DraftState = field(default_factory=DraftState)  # its speculative drafting record

@@ -111,11 +111,14 @@ class Server:
         ttfts = [c.ttft for c in gen.choices if c.ttft is not None]
         elapsed = max(c.elapsed for c in gen.choices)
         outcome = ",".join(sorted({c.finish_reason or "disconnect" for c in gen.choices}))
-        # cached: prompt tokens from the prefix cache; diverged: the first token no cached prefix had
-        # (a client changing an early token, such as a timestamp, shows as a small offset here)
+        # cached: prompt tokens from the prefix cache (of which those loaded from the prefix store's RAM and
+        # disk tiers); diverged: the first token no cached prefix had (a client changing an early token, such as
+        # a timestamp, shows as a small offset here)
         diverged = gen.prefix_diverged_at
-        logger.info("%s prompt=%d cached=%d diverged=%s completion=%d ttft=%s %.1f tok/s status=%s", gen.response_id,
-                    gen.prompt_tokens, gen.cached_tokens, "-" if diverged is None else diverged, completion,
+        tiers = gen.tier_cached_tokens
+        logger.info("%s prompt=%d cached=%d diverged=%s cached_ram=%d cached_disk=%d completion=%d ttft=%s %.1f tok/s "
+                    "status=%s", gen.response_id, gen.prompt_tokens, gen.cached_tokens,
+                    "-" if diverged is None else diverged, tiers.get("ram", 0), tiers.get("disk", 0), completion,
                     f"{min(ttfts):.3f}s" if ttfts else "-", completion / elapsed if elapsed > 0 else 0.0, outcome)
 
 

@@ -32,6 +32,7 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     prefix_diverged_at: int | None = None
+    tier_cached_tokens: dict[str, int] = field(default_factory=dict)
     ttft: float | None = None
     elapsed: float = 0.0
 
@@ -41,6 +42,7 @@ class Choice:
         self.completion_tokens = out.num_output_tokens
         self.cached_tokens = out.num_cached_tokens
         self.prefix_diverged_at = out.prefix_diverged_at
+        self.tier_cached_tokens = out.tier_cached_tokens
         self.ttft = out.ttft
         self.elapsed = out.elapsed
         if out.finished:
@@ -131,6 +133,16 @@ class Generation:
     def cached_tokens(self) -> int:
         """Prompt tokens found in the prefix cache: a prompt counts once however many choices share it."""
         return sum(c.cached_tokens for c in self.choices if c.index % self.n == 0)
+
+    @property
+    def tier_cached_tokens(self) -> dict[str, int]:
+        """Of cached_tokens, those loaded from each tier of the prefix store ("ram", "disk")."""
+        total: dict[str, int] = {}
+        for c in self.choices:
+            if c.index % self.n == 0:
+                for tier, n in c.tier_cached_tokens.items():
+                    total[tier] = total.get(tier, 0) + n
+        return total
 
     @property
     def prefix_diverged_at(self) -> int | None:

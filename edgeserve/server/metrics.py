@@ -95,6 +95,11 @@ class ServerMetrics:
         metric("edgeserve_kv_blocks_total", "gauge", "KV pool size in blocks.", [({}, stats.kv_blocks_total)])
         metric("edgeserve_prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.",
                [({}, stats.prefix_hit_tokens)])
+        metric("edgeserve_prefix_cache_tier_hit_tokens_total", "counter",
+               "Of the prefix-cache hits, prompt tokens loaded from a tier of the prefix store instead of computed.",
+               [({"tier": "ram"}, stats.prefix_ram_hit_tokens), ({"tier": "disk"}, stats.prefix_disk_hit_tokens)])
+        metric("edgeserve_prefix_store_bytes", "gauge", "K/V bytes the prefix store holds, by tier (disk: the whole store, as each loaded model counts it).",
+               [({"tier": "ram"}, stats.prefix_store_ram_bytes), ({"tier": "disk"}, stats.prefix_store_disk_bytes)])
         metric("edgeserve_prefix_cache_query_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.",
                [({}, stats.prefix_query_tokens)])
         metric("edgeserve_preemptions_total", "counter", "Requests preempted when the KV pool ran out.",
