@@ -133,8 +133,10 @@ class StatusPanel(Vertical):
             counts = {s: sum(b.state == s for b in status.kv_blocks) for s in GLYPHS}
             title += (f": {len(status.kv_blocks)} blocks × {status.block_size} tokens\n"
                       + "  ".join(f"{n} {s}" for s, n in counts.items()))
-        if status.tier_hit_tokens is not None:  # prompt tokens the prefix store gave back instead of a prefill
-            title += "\nprefix store hits  " + "  ".join(f"{t} {n} tokens" for t, n in status.tier_hit_tokens.items())
+        # prompt tokens the prefix store gave back instead of a prefill; a line only once there are some, so a
+        # short screen keeps the map's legend
+        if status.tier_hit_tokens and any(status.tier_hit_tokens.values()):
+            title += "\nfrom the prefix store: " + ", ".join(f"{n} {t}" for t, n in status.tier_hit_tokens.items())
         self.kv_title.update(Text(title))
 
     def legend(self) -> Text:

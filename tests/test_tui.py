@@ -504,3 +504,22 @@ def test_a_tui_that_cannot_draw_on_stderr_says_so_on_stdout(tmp_path):
     assert result.returncode == 1
     assert "the TUI draws on stderr, which is not a terminal here" in result.stdout
     assert "not a terminal" in log.read_text() and "Traceback" not in log.read_text()
+
+
+async def test_the_engine_panel_counts_prompt_tokens_loaded_from_the_prefix_store(tiny_model):
+    from test_prefix_store import generate, prompt, tiny_engine
+
+    engine = tiny_engine(tiny_model, prefix_cache_ram="1MiB")
+    aengine = AsyncEngine(engine)
+    try:
+        app = tui(EngineClient(aengine), max_tokens=8)
+        async with app.run_test(size=(160, 45)) as pilot:
+            title = app.query_one(StatusPanel).kv_title
+            await pilot.pause(0.3)
+            assert "prefix store" not in str(title.render())  # no line while it has given nothing back
+            # a prompt, another that evicts its blocks into the RAM tier, then the first again
+            await aengine.call(lambda e: [generate(e, prompt(seed, n)) for seed, n in ((0, 97), (1, 150), (0, 97))])
+            await wait_until(pilot, lambda: "from the prefix store: 96 ram, 0 disk" in str(title.render()),
+                             "the panel shows the RAM tier's hits")
+    finally:
+        aengine.shutdown()
