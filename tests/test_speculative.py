@@ -7,6 +7,7 @@ random model repeats itself enough for prompt lookup to guess right, the real mo
 import json
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import pytest
 from scipy.stats import chi2_contingency, chisquare
@@ -180,8 +181,8 @@ def test_which_requests_speculate():
     assert spec.mode_for(Sequence("b", [1], SamplingParams(speculative="ngram"))) == "ngram"
     on = Speculator("auto")
     assert on.mode_for(Sequence("c", [1], SamplingParams(speculative="off"))) == "off"
-    assert on.mode_for(Sequence("d", [1], SamplingParams(logprobs=2))) == "off"
-    assert on.mode_for(Sequence("e", [1], SamplingParams(regex="[ab]+"))) == "off"
+    assert on.mode_for(Sequence("d", [1], SamplingParams(logprobs=2))) == "auto"
+    assert on.mode_for(Sequence("e", [1], SamplingParams(regex="[ab]+"))) == "auto"
     with pytest.raises(InvalidParamsError):
         SamplingParams(speculative="always")
     with pytest.raises(EdgeserveError):
@@ -292,3 +293,41 @@ def test_greedy_is_unchanged_on_the_real_model(loaded_model):
     batched = make_engine(loaded_model, "ngram")
     assert run(batched, requests) == off
     assert batched.stats().accepted_draft_tokens > 10
+
+
+BOOK = {"title": "The History of the Printing Press in Europe", "authors": ["Elizabeth Eisenstein", "Lucien Febvre"],
+        "year": 1979, "pages": 794}
+BOOK_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 24}, "authors": {"type": "array", "items": {"type": "string", "maxLength": 40},
+                                                              "maxItems": 4},
+    "year": {"type": "integer"}, "pages": {"type": "integer"}},
+    "required": ["title", "authors", "year", "pages"], "additionalProperties": False}
+
+
+def test_constrained_and_logprobs_requests_speculate_and_answer_as_without(loaded_model):
+    """A grammar masks each row of a draft's check as it stands after the guesses accepted before it, and each
+    accepted token gets its logprobs: greedy tokens, text and logprobs are those of one token a step."""
+    off_engine = make_engine(loaded_model, "off")
+    chat = Prompts.for_engine(off_engine).chat
+    requests = {
+        "json": (chat([{"role": "user", "content": f"Repeat this JSON exactly:\n\n{json.dumps(BOOK)}"}]),
+                 SamplingParams(max_tokens=120, temperature=0.0, json_schema=BOOK_SCHEMA)),
+        "logprobs": (chat([{"role": "user", "content": f"Repeat this code exactly:\n\n{COPY_TEXT}"}]),
+                     SamplingParams(max_tokens=60, temperature=0.0, logprobs=3)),
+    }
+
+    def answers(engine: LLMEngine) -> dict:
+        for rid, (ids, params) in requests.items():
+            engine.add_request(ids, params, rid)
+        done = engine.run_to_completion()
+        assert_no_leaks(engine)
+        return {rid: (c.token_ids, c.text, c.finish_reason, c.logprobs) for rid, c in done.items()}
+
+    off = answers(off_engine)
+    on_engine = make_engine(loaded_model, "ngram")
+    on = answers(on_engine)
+    assert on == off
+    # the grammar holds the title to 24 characters where the guesses copy all of it
+    jsonschema.validate(json.loads(on["json"][1]), BOOK_SCHEMA)
+    assert len(on["logprobs"][3]) == len(on["logprobs"][0]) and len(on["logprobs"][3][0]["top"]) == 3
+    assert on_engine.stats().accepted_draft_tokens > 40

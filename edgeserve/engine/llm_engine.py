@@ -342,13 +342,18 @@ class LLMEngine:
 
     def _check_draft(self, item: ScheduledSeq, rows: np.ndarray) -> RequestOutput:
         """Keep the longest run of item's draft that sampling accepts, then the token its first rejected (or its
-        last) row gives; the K/V of rejected guesses is dropped with the blocks that held only them."""
+        last) row gives; the K/V of rejected guesses is dropped with the blocks that held only them. A constrained
+        request's row is masked by its grammar as it stands after the tokens accepted before it, so a guess the
+        grammar forbids is rejected like any other."""
         seq, draft = item.seq, item.draft
         outs: list[RequestOutput] = []
         accepted = 0
         try:
             for i, row in enumerate(rows):
                 guess = draft[i] if i < len(draft) else None
+                failed = self.constraints.apply(row[None], self.constraints.start_masks([seq]), [seq])
+                if failed:
+                    return self._fail(seq, failed[0])
                 token = check_guess(row, seq, guess)
                 outs.append(self._append(seq, token, self._logprobs(row[None], [seq], [token]).get(0)))
                 if token != guess:

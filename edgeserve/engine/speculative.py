@@ -127,12 +127,8 @@ class Speculator:
         self._since_try = 0  # steps since "auto" last tried a draft its estimates advised against
 
     def mode_for(self, seq: Sequence) -> str:
-        """The request's own mode where it gave one, else the engine's; constrained requests and those asking
-        for logprobs do not speculate (their masks and per-token logprobs are made one token at a time)."""
-        p = seq.params
-        if p.constraint is not None or p.logprobs is not None:
-            return "off"
-        return p.speculative or self.mode
+        """The request's own mode where it gave one, else the engine's."""
+        return seq.params.speculative or self.mode
 
     def propose(self, seq: Sequence, room: int, rows: int, decodes: int) -> list[int]:
         """A draft for seq's next decode step, of at most room tokens (the step's budget and the request's
