@@ -331,3 +331,13 @@ def test_constrained_and_logprobs_requests_speculate_and_answer_as_without(loade
     jsonschema.validate(json.loads(on["json"][1]), BOOK_SCHEMA)
     assert len(on["logprobs"][3]) == len(on["logprobs"][0]) and len(on["logprobs"][3][0]["top"]) == 3
     assert on_engine.stats().accepted_draft_tokens > 40
+
+
+def test_the_speculative_benchmark_gives_each_task_the_same_answer_in_every_mode(tiny_model):
+    from edgeserve.bench.workloads import SPECULATIVE_TASKS, run_speculative
+
+    rows = run_speculative(lambda mode: make_engine(tiny_model, mode), max_tokens=24, repeats=1)
+    assert [r["name"] for r in rows] == list(SPECULATIVE_TASKS) and "json_copy" in SPECULATIVE_TASKS
+    for row in rows:
+        assert row["same_answer"] and row["output_tokens"] > 1
+        assert row["off_decode_tokens_per_s"] > 0 and row["ngram_over_off"] > 0

@@ -202,13 +202,23 @@ _DOCUMENT = ("The lighthouse at Point Arden was built in 1871 from granite quarr
              "The last keeper, Margaret Hollis, left the station in 1968, when the light was automated. "
              "Today the tower is maintained by a volunteer society and is open to visitors every summer.")
 
-# Single-stream chat tasks: two whose answers copy their input (where prompt lookup's guesses are right),
-# and an open-ended one (where they mostly are not, and speculation must not cost much).
-SPECULATIVE_TASKS = {
-    "code_edit": f"Rewrite this Python function, renaming the variable `largest` to `biggest`. "
-                 f"Reply with the whole function only.\n\n```python\n{_CODE}```",
-    "quote": f"Here is a document:\n\n{_DOCUMENT}\n\nRepeat the document exactly, word for word.",
-    "open_chat": "Write a short story about a fox who learns to paint.",
+_RECORD = ('{"name": "Point Arden Light", "built": 1871, "keepers": ["Thomas Hollis", "Margaret Hollis"], '
+           '"automated": 1968, "open": "every summer"}')
+_RECORD_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 40}, "built": {"type": "integer"},
+    "keepers": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 4},
+    "automated": {"type": "integer"}, "open": {"type": "string", "maxLength": 30}},
+    "required": ["name", "built", "keepers", "automated", "open"], "additionalProperties": False}
+
+# Single-stream chat tasks, each (message, extra sampling parameters): three whose answers copy their input
+# (where prompt lookup's guesses are right; one through a JSON schema, whose grammar checks each guess), and an
+# open-ended one (where they mostly are not, and speculation must not cost much).
+SPECULATIVE_TASKS: dict[str, tuple[str, dict]] = {
+    "code_edit": (f"Rewrite this Python function, renaming the variable `largest` to `biggest`. "
+                  f"Reply with the whole function only.\n\n```python\n{_CODE}```", {}),
+    "quote": (f"Here is a document:\n\n{_DOCUMENT}\n\nRepeat the document exactly, word for word.", {}),
+    "json_copy": (f"Here is a record:\n\n{_RECORD}\n\nRepeat it as JSON.", {"json_schema": _RECORD_SCHEMA}),
+    "open_chat": ("Write a short story about a fox who learns to paint.", {}),
 }
 
 
@@ -219,7 +229,7 @@ def run_speculative(make_engine: Callable[[str], LLMEngine], modes: tuple[str, .
     from edgeserve.engine.prompts import Prompts
 
     rows = []
-    for task, content in tqdm(SPECULATIVE_TASKS.items(), desc="speculative", unit="task", leave=False):
+    for task, (content, extra) in tqdm(SPECULATIVE_TASKS.items(), desc="speculative", unit="task", leave=False):
         row: dict = {"name": task}
         answers = set()
         for mode in modes:
@@ -227,7 +237,7 @@ def run_speculative(make_engine: Callable[[str], LLMEngine], modes: tuple[str, .
             for _ in range(repeats):
                 engine = make_engine(mode)
                 ids = Prompts.for_engine(engine).chat([{"role": "user", "content": content}])
-                engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), task)
+                engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra), task)
                 first, tokens = None, []
                 while engine.has_unfinished():
                     for out in engine.step():
