@@ -1,6 +1,9 @@
 """The panel cache: a GGUF model's repacked matrices saved once and mapped on later starts."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -133,3 +136,33 @@ def test_an_unwritable_cache_folder_leaves_the_weights_in_memory(cache_home, mod
     answer, engine = logits(model_file)
     np.testing.assert_array_equal(answer, uncached)
     assert mapped_matrices(engine) == [] and not list(cache_home.parent.glob("*.partial"))
+
+
+RESIDENT_KIB = """
+import re, sys
+from edgeserve.config import EngineConfig
+from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.models.loader import load_model
+path = sys.argv[1]
+model = load_model(path)
+LLMEngine(model, EngineConfig(backend="numpy", weights="quantized", kv_memory="16MiB")).prompt_logits(
+    model.tokenizer.encode("The quick brown fox"))
+kib, mapping = 0, False
+for line in open("/proc/self/smaps"):
+    if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+        mapping = line.rstrip().endswith(path)
+    elif mapping and line.startswith("Rss:"):
+        kib += int(line.split()[1])
+print(kib)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads a mapping's resident pages from Linux's /proc")
+def test_a_hit_leaves_none_of_the_model_file_resident(cache_home, model_file):
+    """Loading touches the file's metadata and norms (2 MiB at a time where the kernel maps large folios); once the
+    panels are mapped those pages are dropped, so the process holds the model about once, not once and a bit."""
+    logits(model_file)  # the miss writes the cache
+    done = subprocess.run([sys.executable, "-c", RESIDENT_KIB, str(model_file)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) <= 64, f"{done.stdout.strip()} KiB of the model file resident"

@@ -120,6 +120,7 @@ class NumpyBackend:
         if weights == "quantized":
             qmatmul.compile_now()
         self._panel_caches: dict[str, panel_cache.PanelCache] = {}
+        self._model_maps: dict[str, Any] = {}  # each cached model file's memory map, whose pages commit drops
 
     def describe(self) -> str:
         if self.weights == "quantized":
@@ -129,7 +130,8 @@ class NumpyBackend:
         return "numpy (float32 weights)"
 
     def vector(self, w: Any) -> np.ndarray:
-        return as_float32(w)
+        # a copy, never a view of the model file's map: its pages are dropped once the panels are in place
+        return np.array(as_float32(w), dtype=np.float32)
 
     def embedding(self, w: Any) -> np.ndarray | QMatrix:
         if self.weights == "quantized" and isinstance(w, QUANTIZED):
@@ -159,6 +161,7 @@ class NumpyBackend:
         cache = self._panel_caches.get(file)
         if cache is None:
             cache = self._panel_caches[file] = panel_cache.PanelCache.for_file(file)
+            self._model_maps[file] = parts[0].file_map()
         key = "+".join(o.key for o in origins)
         m = cache.get(key, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
         if m is None:
@@ -168,9 +171,12 @@ class NumpyBackend:
         return m
 
     def commit_panels(self) -> None:
-        """Complete the cache files of the matrices repacked since the last call."""
-        for cache in self._panel_caches.values():
+        """Complete the cache files of the matrices repacked since the last call, and drop the pages of the model
+        files that loading touched (metadata, norms: with the kernel's large folios, 2 MiB each) from this
+        process's memory: the panels hold every matrix, so the files are not read again."""
+        for file, cache in self._panel_caches.items():
             cache.commit()
+            panel_cache.drop_pages(self._model_maps.get(file))
 
     def fuse_blocks(self, layers: list[Any], eps: float,
                     ropes: list[tuple[np.ndarray, np.ndarray]]) -> CPUDecoder | None:
