@@ -129,7 +129,9 @@ async function* events(body) {
 }
 
 function requestBody(conv, model) {
-  const messages = conv.messages.slice(0, -1).map(({ role, content }) => ({ role, content }));
+  // an answer that failed before it wrote anything is no turn of the conversation
+  const messages = conv.messages.slice(0, -1).filter((m) => m.role === "user" || m.content)
+    .map(({ role, content }) => ({ role, content }));
   if (conv.system.trim()) messages.unshift({ role: "system", content: conv.system });
   const body = { model, messages, stream: true, stream_options: { include_usage: true } };
   for (const [name, value] of Object.entries(conv.settings)) {
@@ -421,7 +423,8 @@ function exportJson(conversations, name) {
   const blob = new Blob([JSON.stringify(conversations, null, 2)], { type: "application/json" });
   const a = document.createElement("a");
   a.href = URL.createObjectURL(blob);
-  a.download = `${(name || "chat").replace(/[^\w.-]+/g, "-").slice(0, 60)}.json`;
+  const base = (name || "").replace(/[^\w.-]+/g, "-").replace(/^[-.]+|[-.]+$/g, "").slice(0, 60);
+  a.download = `${base || "chat"}.json`;
   document.body.append(a);
   a.click();
   a.remove();
