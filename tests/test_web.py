@@ -12,27 +12,17 @@ from click.testing import CliRunner
 
 from edgeserve.cli.main import cli
 from edgeserve.config import EngineConfig
-from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.llm_engine import LLMEngine
-from edgeserve.server.app import create_app
-from loopback import ServerThread
+from loopback import ServerThread, serving
 
 KEY = "web-key-7"
 http = httpx.Client(timeout=60)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model) -> Iterator[AsyncEngine]:
-    aengine = AsyncEngine(LLMEngine(tiny_model, EngineConfig(backend="numpy", kv_memory="16MiB")))
-    yield aengine
-    aengine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine: AsyncEngine) -> Iterator[ServerThread]:
-    served = ServerThread(create_app(engine, "tiny"))
-    yield served
-    served.stop()
+def server(tiny_model) -> Iterator[ServerThread]:
+    with serving(tiny_model, "tiny", kv_memory="16MiB") as served:
+        yield served
 
 
 def assets(url: str) -> list[str]:
@@ -66,26 +56,20 @@ def test_a_foreign_host_is_refused_the_page_as_any_route(server):
         assert refused.status_code == 403 and refused.json()["error"]["code"] == "host_not_allowed", path
 
 
-def test_with_a_key_the_page_loads_and_the_api_asks_for_it(engine):
-    keyed = ServerThread(create_app(engine, "tiny", api_key=KEY))
-    try:
+def test_with_a_key_the_page_loads_and_the_api_asks_for_it(tiny_model):
+    with serving(tiny_model, "tiny", kv_memory="16MiB", api_key=KEY) as keyed:
         for path in ("/", "/web/app.js", "/web/style.css"):
             assert http.get(keyed.url + path).status_code == 200, path
         assert http.get(keyed.url + "/v1/models").status_code == 401
         assert http.get(keyed.url + "/metrics").status_code == 401
         assert http.get(keyed.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
-    finally:
-        keyed.stop()
 
 
-def test_create_app_without_the_web_chat_answers_404(engine):
-    bare = ServerThread(create_app(engine, "tiny", web=False))
-    try:
+def test_create_app_without_the_web_chat_answers_404(tiny_model):
+    with serving(tiny_model, "tiny", kv_memory="16MiB", web=False) as bare:
         assert http.get(bare.url + "/").status_code == 404
         assert http.get(bare.url + "/web/app.js").status_code == 404
         assert http.get(bare.url + "/v1/models").status_code == 200
-    finally:
-        bare.stop()
 
 
 @pytest.mark.parametrize("flag", ["--web", "--no-web"])

@@ -137,7 +137,7 @@ function requestBody(conv, model) {
   for (const [name, value] of Object.entries(conv.settings)) {
     if (value !== null && value !== "" && value !== undefined) body[name] = value;
   }
-  if (conv.json.on) {
+  if (conv.json.on) { // the schema was checked when the settings were saved
     body.response_format = conv.json.schema.trim()
       ? { type: "json_schema", json_schema: { name: "answer", schema: JSON.parse(conv.json.schema), strict: true } }
       : { type: "json_object" };
@@ -342,23 +342,11 @@ function send() {
   const text = prompt.value;
   if (state.streaming || !text.trim() || !state.ready) return;
   const conv = state.current;
-  if (!settingsValid(conv)) return;
   if (!conv.messages.length) conv.title = text.trim().split("\n")[0].slice(0, 60);
   conv.messages.push({ role: "user", content: text });
   prompt.value = "";
   fitPrompt();
   generate(conv);
-}
-
-function settingsValid(conv) {
-  if (!conv.json.on || !conv.json.schema.trim()) return true;
-  try {
-    JSON.parse(conv.json.schema);
-    return true;
-  } catch {
-    openSettings("the JSON schema is not valid JSON");
-    return false;
-  }
 }
 
 // the conversations ------------------------------------------------------------------------------------------
@@ -436,13 +424,13 @@ function exportJson(conversations, name) {
 const NUMBERS = [["set-temperature", "temperature", parseFloat], ["set-top-p", "top_p", parseFloat],
   ["set-max-tokens", "max_tokens", (v) => parseInt(v, 10)], ["set-seed", "seed", (v) => parseInt(v, 10)]];
 
-function openSettings(error = "") {
+function openSettings() {
   const conv = state.current;
   $("set-system").value = conv.system;
   for (const [id, name] of NUMBERS) $(id).value = conv.settings[name] ?? "";
   $("set-json").checked = conv.json.on;
   $("set-schema").value = conv.json.schema;
-  showSettingsError(error);
+  showSettingsError("");
   $("settings-dialog").showModal();
 }
 
@@ -601,7 +589,7 @@ function start() {
   $("model").addEventListener("change", () => { state.current.model = $("model").value; save(); pollEngine(); });
   $("toggle-sidebar").addEventListener("click", () => togglePanel("sidebar", "show-sidebar", "hide-sidebar"));
   $("toggle-engine").addEventListener("click", () => togglePanel("engine", "show-engine", "hide-engine"));
-  $("open-settings").addEventListener("click", () => openSettings());
+  $("open-settings").addEventListener("click", openSettings);
   $("settings-form").addEventListener("submit", saveSettings);
   $("settings-cancel").addEventListener("click", () => $("settings-dialog").close());
   $("key-form").addEventListener("submit", (e) => {
