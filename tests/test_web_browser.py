@@ -226,6 +226,29 @@ def test_an_answer_streams_in_growing_with_shift_enter_a_new_line(server, browse
     page.check_requests_and_console()
 
 
+def test_json_mode_answers_follow_the_schema_given(server, browser):
+    page = Page(browser, server.url).open()
+    page.wait_ready()
+    page.find("#open-settings").click()
+    page.find("#set-json").click()
+    page.find("#set-schema").send_keys("{not json")
+    page.find("#settings-save").click()
+    assert page.find("#settings-error").is_displayed()  # refused: the dialog stays open
+    assert page.js("return document.querySelector('#settings-dialog').open")
+    page.find("#settings-cancel").click()
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+    page.settings(json=True, schema=json.dumps(schema), system="You answer in JSON.", temperature="0",
+                  **{"max-tokens": "40"})
+    page.type_prompt("What is the capital of France?")
+    answer = json.loads(page.wait_answer())
+
+    assert set(answer) == {"city"} and isinstance(answer["city"], str)
+    assert page.find(".msg.assistant pre code.language-json")  # shown as JSON, not as Markdown
+    (conv,) = page.stored()
+    assert conv["system"] == "You answer in JSON." and conv["json"] == {"on": True, "schema": json.dumps(schema)}
+    page.check_requests_and_console()
+
+
 def test_the_markdown_renderer_escapes_html_and_renders_blocks(server, browser):
     page = Page(browser, server.url).open()
     page.wait_ready()
