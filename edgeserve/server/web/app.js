@@ -170,11 +170,13 @@ async function generate(conv) {
       stream.responseId = chunk.id || stream.responseId;
       if (chunk.usage) answer.tokens = chunk.usage.completion_tokens;
       const delta = chunk.choices?.[0]?.delta;
-      const text = (delta?.content || "") + (delta?.reasoning_content || "");
-      if (!text) continue;
+      const text = delta?.content || "";
+      const reasoning = delta?.reasoning_content || "";
+      if (!text && !reasoning) continue;
       if (stream.first === null) stream.first = performance.now();
       stream.chunks++;
       answer.content += text;
+      if (reasoning) answer.reasoning = (answer.reasoning || "") + reasoning;
       drawStreaming();
     }
   } catch (err) {
@@ -234,9 +236,12 @@ function drawStreaming() {
 }
 
 function fillAnswer(el, message) {
-  el.innerHTML = message.format === "json"
+  // a reasoning model's thinking stays apart from its answer, folded, and is never sent back
+  const thought = message.reasoning
+    ? `<details class="reasoning"><summary>Reasoning</summary>${renderMarkdown(message.reasoning)}</details>` : "";
+  el.innerHTML = thought + (message.format === "json"
     ? `<pre><code class="language-json">${escapeHtml(message.content)}</code></pre>`
-    : renderMarkdown(message.content);
+    : renderMarkdown(message.content));
 }
 
 function button(label, onClick, className = "") {
