@@ -298,7 +298,7 @@ def test_the_engine_panel_shows_the_answer_live_and_the_stop_button_ends_it(serv
     assert page.find("#engine").is_displayed()  # beside the chat on a desktop
     page.type_prompt("Write a very long story about a lighthouse keeper and the sea, in many chapters.")
     # the panel refreshes while the answer streams: this request running, its own blocks marked on the map
-    page.until(lambda: page.find("#fig-running").text == "1" and page.all(".kv-cell.mine"), 60,
+    page.until(lambda: page.find("#fig-running").text == "1" and page.all("#kv-map .mine"), 60,
                "the panel did not show the running answer")
     blocks = len(page.all("#kv-map .kv-cell"))
     assert blocks == kv(server)["num_blocks"]
@@ -307,7 +307,7 @@ def test_the_engine_panel_shows_the_answer_live_and_the_stop_button_ends_it(serv
     page.find("#stop").click()
     page.until(lambda: not page.streaming(), 10, "the stop button did not stop the answer")
     page.until(lambda: http.get(server.url + "/health").json()["running"] == 0, 30, "the request still runs")
-    page.until(lambda: not page.all(".kv-cell.mine") and page.find("#fig-running").text == "0", 30,
+    page.until(lambda: not page.all("#kv-map .mine") and page.find("#fig-running").text == "0", 30,
                "the panel still shows the answer")
     assert re.fullmatch(r"\d+\.\d\d s \(mean \d+\.\d\d s\)", page.find("#fig-ttft").text)
     assert re.fullmatch(r"\d+ of \d+ prompt tokens \(\d+%\)", page.find("#fig-prefix").text)
@@ -329,9 +329,8 @@ def test_conversations_are_kept_switched_renamed_exported_and_deleted(server, br
     page.all(".conversation .title")[1].click()  # switch back
     assert page.find(".msg.user .content").text == "Name a colour." and page.wait_answer() == first
     page.all(".conversation .rename")[1].click()
-    rename = page.find(".rename-box")
-    rename.clear()
-    rename.send_keys("Colours\n")
+    # the name is selected as the box opens: typing replaces it (clear() would blur the box, which ends it)
+    page.find(".rename-box").send_keys("Colours\n")
     page.reload()
     page.wait_ready()
     assert [c.text for c in page.all(".conversation .title")] == ["Name a fruit.", "Colours"]
