@@ -396,6 +396,7 @@ def test_screenshots_at_phone_and_desktop_sizes_in_light_and_dark(server, browse
     page.settings(temperature="0", **{"max-tokens": "120"})
     page.type_prompt("Write a Python function that adds two numbers, with a short explanation.")
     page.wait_answer()
+    page.until(lambda: page.find("#fig-running").text == "0", 10, "the panel did not settle")
     shots = {page.screenshot(tmp_path, "desktop-1440x900"): DESKTOP}
     page.color_scheme("dark")
     dark = page.js("return getComputedStyle(document.body).backgroundColor")
@@ -416,6 +417,8 @@ def test_screenshots_at_phone_and_desktop_sizes_in_light_and_dark(server, browse
     page.find("#toggle-engine").click()
     assert page.find("#engine").is_displayed()
     shots[page.screenshot(tmp_path, "phone-390x844-engine")] = PHONE
+    page.find("#engine .close-panel").click()  # the panel covers the chat, and the button that opened it
+    assert not page.find("#engine").is_displayed()
     for shot, size in shots.items():
         assert png_size(shot) == size, shot.name
     page.check_requests_and_console()

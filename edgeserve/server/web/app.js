@@ -10,6 +10,7 @@ const CURRENT = "edgeserve.current";
 const KEY = "edgeserve.apiKey";
 const POLL_STREAMING_MS = 1000;
 const POLL_IDLE_MS = 4000;
+const SETTLE_MS = 300;
 const MAX_KV_CELLS = 512; // past this, one cell stands for several blocks, as the TUI's map does
 const KV_RANK = { free: 0, cached: 1, used: 2, shared: 3 }; // which state a cell of several blocks shows
 
@@ -212,8 +213,9 @@ function setStreaming(on) {
   $("send").hidden = on;
   $("stop").hidden = !on;
   document.body.classList.toggle("streaming", on);
+  // once an answer ends the server settles its request a moment later: look again then, not a full idle period on
   clearTimeout(state.pollTimer);
-  pollEngine();
+  state.pollTimer = setTimeout(pollEngine, on ? 0 : SETTLE_MS);
 }
 
 // the messages -----------------------------------------------------------------------------------------------
@@ -566,8 +568,10 @@ function togglePanel(panel, showClass, hideClass) {
 }
 
 function closeOverlays() {
-  // on a narrow screen the panels cover the chat; on a wide one they sit beside it and stay
-  if (matchMedia("(max-width: 799px)").matches) $("app").classList.remove("show-sidebar", "show-engine");
+  // where a panel covers the chat (the conversations on a phone, the engine below a wide desktop) it closes;
+  // where it sits beside the chat it stays
+  $("app").classList.remove("show-engine");
+  if (matchMedia("(max-width: 799px)").matches) $("app").classList.remove("show-sidebar");
 }
 
 function start() {
@@ -594,6 +598,7 @@ function start() {
   $("model").addEventListener("change", () => { state.current.model = $("model").value; save(); pollEngine(); });
   $("toggle-sidebar").addEventListener("click", () => togglePanel("sidebar", "show-sidebar", "hide-sidebar"));
   $("toggle-engine").addEventListener("click", () => togglePanel("engine", "show-engine", "hide-engine"));
+  for (const close of document.querySelectorAll(".close-panel")) close.addEventListener("click", closeOverlays);
   $("open-settings").addEventListener("click", openSettings);
   $("settings-form").addEventListener("submit", saveSettings);
   $("settings-cancel").addEventListener("click", () => $("settings-dialog").close());
