@@ -56,6 +56,16 @@ def test_a_foreign_host_is_refused_the_page_as_any_route(server):
         assert refused.status_code == 403 and refused.json()["error"]["code"] == "host_not_allowed", path
 
 
+def test_cors_origins_apply_to_the_page_as_to_the_api(tiny_model):
+    page = "http://localhost:3000"
+    with serving(tiny_model, "tiny", kv_memory="16MiB", cors_origins=[page]) as served:
+        for path in ("/", "/web/app.js", "/v1/models"):
+            allowed = http.get(served.url + path, headers={"Origin": page})
+            assert allowed.headers["access-control-allow-origin"] == page, path
+            other = http.get(served.url + path, headers={"Origin": "http://evil.example"})
+            assert "access-control-allow-origin" not in other.headers, path
+
+
 def test_with_a_key_the_page_loads_and_the_api_asks_for_it(tiny_model):
     with serving(tiny_model, "tiny", kv_memory="16MiB", api_key=KEY) as keyed:
         for path in ("/", "/web/app.js", "/web/style.css"):
