@@ -122,13 +122,15 @@ def _listen(host: str, port: int) -> socket.socket:
                    "browser; off by default. '*' (any page) needs --cors-allow-all too.")
 @click.option("--cors-allow-all", is_flag=True, help="Let --cors-origins be '*': any web page you open may call "
                                                      "the API (set --api-key).")
+@click.option("--web/--no-web", default=True, show_default=True,
+              help="Serve the web chat at / (a page that uses the API as any client does, the API key too).")
 @click.option("--shutdown-timeout", default=DEFAULT_SHUTDOWN_TIMEOUT, show_default=True, type=click.FloatRange(0),
               help="On SIGTERM or Ctrl-C, seconds running requests get to finish (new ones get 503) before the "
                    "rest are aborted. A second signal aborts them at once.")
 def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None, max_loaded_models: int,
           max_memory: str | None, allow_pull: bool, keep_alive: str | None, host: str, port: int, api_key: str | None,
           aliases: tuple[str, ...], max_queue: int, max_body_size: int, allowed_hosts: tuple[str, ...],
-          cors_origins: str | None, cors_allow_all: bool, shutdown_timeout: float) -> None:
+          cors_origins: str | None, cors_allow_all: bool, web: bool, shutdown_timeout: float) -> None:
     """Serve models over the OpenAI, Anthropic and Ollama APIs (completions, Responses, Messages, /api/chat;
     streaming) for local tools. The first model loads now; others load on their first request."""
     origins = [o.strip().rstrip("/") for o in (cors_origins or "").split(",") if o.strip()]
@@ -167,13 +169,15 @@ def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None
     pool = ModelPool(entries, max_loaded_models, idle_seconds, loader, allow_pull, budget)
     pool.preload(entries[0], AsyncEngine(engine))
     app = create_app(pool, api_key=api_key, max_queue=max_queue, max_body_size=max_body_size,
-                     allowed_hosts=(host, *allowed_hosts), cors_origins=origins)
+                     allowed_hosts=(host, *allowed_hosts), cors_origins=origins, web=web)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     if not api_key and not _is_loopback(host):
         click.echo(f"warning: listening on {host} without an API key; anyone who can reach it can use it", err=True)
     address = f"[{host}]" if ":" in host else host
     listed = ", ".join(n for e in entries for n in e.names)
-    click.echo(f"serving {listed} at http://{address}:{sock.getsockname()[1]}/v1 (Ctrl-C stops)")
+    base = f"http://{address}:{sock.getsockname()[1]}"
+    chat = f", the web chat at {base}/" if web else ""
+    click.echo(f"serving {listed} at {base}/v1{chat} (Ctrl-C stops)")
     http_config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=FLUSH_TIMEOUT,
                                  http=IdleClosingH11, timeout_keep_alive=IDLE_TIMEOUT,
                                  limit_concurrency=connection_limit(), backlog=ACCEPT_BACKLOG)

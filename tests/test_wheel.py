@@ -95,9 +95,11 @@ def test_the_wheel_holds_every_package_and_its_data(wheel):
         assert f"{package}/__init__.py" in names, f"{package} is missing from the wheel"
     missing = sources("*.py", "*.metal", "*.cu") - names
     assert not missing, f"source files missing from the wheel: {sorted(missing)}"
-    data = sources("data/*.txt", "data/*.md")
+    data = sources("data/*.txt", "data/*.md", "web/*.html", "web/*.css", "web/*.js", "web/*.svg")
     assert any(name.startswith("edgeserve/evaluation/data/") for name in data)
-    assert data <= names
+    assert "edgeserve/server/web/index.html" in data and "edgeserve/server/web/app.js" in data
+    missing = data - names
+    assert not missing, f"data files missing from the wheel: {sorted(missing)}"
 
 
 def test_the_installed_wheel_imports_from_its_venv(venv, tmp_path):

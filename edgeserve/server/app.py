@@ -24,6 +24,7 @@ from edgeserve.server.metrics import ServerMetrics
 from edgeserve.server.middleware import Gate, HostGuard, host_name
 from edgeserve.server.models import ModelPool
 from edgeserve.server.served_model import ServedModel
+from edgeserve.server.web import add_web_chat
 
 logger = logging.getLogger("edgeserve.server")
 
@@ -125,12 +126,13 @@ class Server:
 def create_app(models: AsyncEngine | ModelPool, model_name: str = "", api_key: str | None = None,
                max_queue: int = DEFAULT_MAX_QUEUE, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
                allowed_hosts: Iterable[str] = (), aliases: Iterable[str] = (),
-               cors_origins: Iterable[str] = ()) -> FastAPI:
+               cors_origins: Iterable[str] = (), web: bool = True) -> FastAPI:
     """The server app, on a pool of models, or on one loaded engine whose id clients pass as `model` is
     `model_name` (the catalog name and `aliases` work too).
 
     Host headers must name loopback, an IP address, or one of `allowed_hosts` ("*" allows any). Web pages from
     `cors_origins` ("*": any) may call the API from a browser; the API key still applies to their requests.
+    `web` serves the web chat at /.
     """
     pool = models if isinstance(models, ModelPool) else ModelPool.single(models, model_name, aliases)
     server = Server(pool, max_queue)
@@ -150,4 +152,6 @@ def create_app(models: AsyncEngine | ModelPool, model_name: str = "", api_key: s
     app.include_router(status.router(server))
     app.include_router(llama_cpp.router(server))
     app.include_router(ollama.router(server))
+    if web:
+        add_web_chat(app)
     return app

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from edgeserve.server.errors import APIError
 from edgeserve.server.models import request_leases
+from edgeserve.server.web import ASSETS_PATH, PAGE_PATH
 
 if TYPE_CHECKING:
     from edgeserve.server.app import Server
@@ -98,13 +99,16 @@ class HostGuard:
 
 # llama.cpp's routes outside /v1 and /api (Ollama's) that the API key guards too
 KEYED_ROOT_PATHS = frozenset({"/tokenize", "/detokenize"})
-OPEN_PATHS = frozenset({"/health"})  # answers without the key, for load balancers' and supervisors' probes
+# answer without the key: /health, for load balancers' and supervisors' probes, and the web chat's page and
+# files, which hold no data (the page asks for the key when the API answers 401)
+OPEN_PATHS = frozenset({"/health", PAGE_PATH})
+OPEN_PREFIX = ASSETS_PATH + "/"
 
 
 class Gate:
     """For the APIs (/v1, Ollama's /api, /tokenize, /detokenize): the API-key check, 503 while shutting down, a count
     of answers by status code, and the end of the leases a request took on models. With a key set, every other
-    path but /health needs it too."""
+    path but /health and the web chat's needs it too."""
 
     def __init__(self, app: ASGIApp, server: Server, api_key: str | None):
         self.app = app
@@ -131,7 +135,8 @@ class Gate:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         api = path.startswith(("/v1/", "/api/")) or path in KEYED_ROOT_PATHS
-        if scope["type"] != "http" or not (api or self.api_key is not None and path not in OPEN_PATHS):
+        open_path = path in OPEN_PATHS or path.startswith(OPEN_PREFIX)
+        if scope["type"] != "http" or not (api or self.api_key is not None and not open_path):
             await self.app(scope, receive, send)
             return
         if not api:  # /metrics, /docs, /openapi.json: what the server runs is the key holder's business too
