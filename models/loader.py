@@ -20,7 +20,7 @@ import numpy as np
 
 from edgeserve.errors import ModelLoadError, ModelNotFoundError
 from edgeserve.models.base import ModelArgs, Weights
-from edgeserve.models.catalog import CATALOG, pull
+from edgeserve.models.catalog import CATALOG, pull, sha256_of
 from edgeserve.system import home
 from edgeserve.models.registry import architecture, gguf_model_type
 from edgeserve.quant.affine import QuantizedTensor
@@ -79,7 +79,7 @@ def file_identity(path: Path) -> str:
 
 
 def content_hash(path: Path) -> str:
-    """A BLAKE2b digest of a file's bytes, remembered by its identity (path, size, modification time) in
+    """A SHA-256 digest of a file's bytes, remembered by its identity (path, size, modification time) in
     $EDGESERVE_HOME/file-hashes.json: a model of gigabytes takes seconds to hash, and every start of a server
     with a disk prefix cache needs the digest, so a start reads the file again only after it has changed."""
     identity = file_identity(path)
@@ -92,14 +92,11 @@ def content_hash(path: Path) -> str:
         memo = {}
     if identity in memo:
         return memo[identity]
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
+    digest = sha256_of(path)
     resolved = identity.split("|", 1)[0]
     # one identity a path: an older version of the file is never asked for again
     memo = {k: v for k, v in memo.items() if k.split("|", 1)[0] != resolved}
-    memo[identity] = h.hexdigest()
+    memo[identity] = digest
     try:
         memo_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo_path.with_name(f".{memo_path.name}.{os.getpid()}.tmp")
