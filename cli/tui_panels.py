@@ -136,7 +136,7 @@ class StatusPanel(Vertical):
         # prompt tokens the prefix store gave back instead of a prefill; a line only once there are some, so a
         # short screen keeps the map's legend
         if status.tier_hit_tokens and any(status.tier_hit_tokens.values()):
-            title += "\nfrom the prefix store: " + ", ".join(f"{n} {t}" for t, n in status.tier_hit_tokens.items())
+            title += "\nprefix store tokens: " + ", ".join(f"{n} {t}" for t, n in status.tier_hit_tokens.items())
         self.kv_title.update(Text(title))
 
     def legend(self) -> Text:

@@ -519,7 +519,7 @@ async def test_the_engine_panel_counts_prompt_tokens_loaded_from_the_prefix_stor
             assert "prefix store" not in str(title.render())  # no line while it has given nothing back
             # a prompt, another that evicts its blocks into the RAM tier, then the first again
             await aengine.call(lambda e: [generate(e, prompt(seed, n)) for seed, n in ((0, 97), (1, 150), (0, 97))])
-            await wait_until(pilot, lambda: "from the prefix store: 96 ram, 0 disk" in str(title.render()),
+            await wait_until(pilot, lambda: "prefix store tokens: 96 ram, 0 disk" in str(title.render()),
                              "the panel shows the RAM tier's hits")
     finally:
         aengine.shutdown()
