@@ -8,7 +8,7 @@ import pytest
 
 from edgeserve.backends import qmatmul as qm
 from edgeserve.quant.kquants import KQuantTensor
-from test_qmatmul import IMPLS, ROWS, _check, _tensor
+from test_qmatmul import IMPLS, ROWS, _check
 
 T = gguf.GGMLQuantizationType
 KTYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
@@ -197,27 +197,3 @@ def test_mlx_backend_and_convert_accept_k_quants(tmp_path):
     result = convert(model, tmp_path / "int4", bits=4, progress=False, measure_errors=True)
     assert {p.action for p in result.plans if p.is_matrix} == {"quantize"}
     assert max(result.relative_errors.values()) < 0.2
-
-
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "affine4", "affine8"])
-def test_a_matrix_repacked_in_slices_on_threads_is_the_same_bytes(kind, monkeypatch):
-    """A big matrix's repack runs on slices of its rows (a first start's time); uneven slices across parts give what
-    one pass gives, array for array."""
-    rng = np.random.default_rng(11)
-    if kind.startswith("affine"):
-        bits = int(kind[-1])
-        parts = [_tensor(rng, 80, 256, bits, 32, "float16"), _tensor(rng, 37, 256, bits, 32, "float16")]
-    else:
-        parts = [random_kquant(rng, T[kind], 80, 512), random_kquant(rng, T[kind], 37, 512)]
-    monkeypatch.setattr(qm, "_PARALLEL_ROWS", 1 << 30)
-    whole = qm.prepare(parts)
-    monkeypatch.setattr(qm, "_PARALLEL_ROWS", 16)
-    monkeypatch.setattr(qm, "usable_cores", lambda: 3)
-    sliced = qm.prepare(parts)
-    fields = ("packed", "scales", "biases", "hi", "ksc", "km")
-    for a, b in zip(whole.segments, sliced.segments, strict=True):
-        for f in fields:
-            x, y = getattr(a, f), getattr(b, f)
-            assert (x is None) == (y is None), f
-            if x is not None:
-                np.testing.assert_array_equal(x, y, err_msg=f)
