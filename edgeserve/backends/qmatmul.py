@@ -43,10 +43,7 @@ the bytes); float parts are kept as float32 [K, n] and multiplied by BLAS.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
 
 import gguf
 import numpy as np
@@ -292,7 +289,7 @@ def _pack_kquants(parts: list[KQuantTensor], start: int, stop: int) -> _Segment:
     """One segment from K-quant parts of one type: 4-bit panels, a high-bit plane, two-level scales."""
     n, k = stop - start, parts[0].shape[1]
     panels = -(-n // PANEL)
-    planes = _in_parallel(KQuantTensor.planes, [piece for p in parts for piece in _row_pieces(p)])
+    planes = [p.planes() for p in parts]
     q = np.zeros((panels * PANEL, k), dtype=np.uint8)
     q[:n] = np.concatenate([pl.q for pl in planes])
     hbits = parts[0].bits - 4
@@ -307,44 +304,8 @@ def _pack_kquants(parts: list[KQuantTensor], start: int, stop: int) -> _Segment:
                     hbits=hbits, hi=hi, ksc=ksc, km=km, center=center)
 
 
-# A first start repacks every matrix of the model (a 3B model: ~20 s on two cores): NumPy's elementwise work
-# releases the GIL, so the big steps run on slices of a matrix's rows, one per core.
-_PARALLEL_ROWS = 1024  # rows of a slice below which one thread does it all
-
-
-@lru_cache(maxsize=1)
-def _repack_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=usable_cores(), thread_name_prefix="edgeserve-repack")
-
-
-def _in_parallel(fn: Callable, args: list) -> list:
-    """[fn(a) for a in args], on the repacking threads where there are several."""
-    return [fn(a) for a in args] if len(args) < 2 else list(_repack_pool().map(fn, args))
-
-
-def _row_pieces(w: KQuantTensor) -> list[KQuantTensor]:
-    """w as slices of its rows (views), one per core where it is big enough."""
-    rows = w.shape[0]
-    n = max(1, min(usable_cores(), rows // _PARALLEL_ROWS))
-    bounds = np.linspace(0, rows, n + 1).astype(int)
-    return [KQuantTensor(w.blocks[a:b], w.qtype, w.cols) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def _by_panels(words_of: Callable[[np.ndarray, int], np.ndarray], q: np.ndarray, panels: int) -> np.ndarray:
-    """words_of(q's rows of some panels, their count) for all of q's panels, in slices on the repacking threads."""
-    n = max(1, min(usable_cores(), panels * PANEL // _PARALLEL_ROWS))
-    bounds = np.linspace(0, panels, n + 1).astype(int)
-    slices = [(q[a * PANEL : b * PANEL], b - a) for a, b in zip(bounds[:-1], bounds[1:])]
-    return np.concatenate(_in_parallel(lambda s: words_of(*s), slices))
-
-
 def _panel_words(q: np.ndarray, bits: int, panels: int) -> np.ndarray:
-    """Unsigned integers [panels * 16, K] as panels of words [panels, K * bits / 32, 16]."""
-    return _by_panels(lambda rows, n: _words(rows, bits, n), q, panels)
-
-
-def _words(q: np.ndarray, bits: int, panels: int) -> np.ndarray:
-    """_panel_words on one slice of panels.
+    """Unsigned integers [panels * 16, K] as panels of words [panels, K * bits / 32, 16].
 
     A word's values are shuffled into place with shifts of the 8 (or 4) bytes that hold them read as one
     integer: a uint32 per value and a reduction made a 3B model's first start twice as long."""
@@ -364,11 +325,6 @@ def _words(q: np.ndarray, bits: int, panels: int) -> np.ndarray:
 def _high_bit_words(high: np.ndarray, hbits: int, panels: int) -> np.ndarray:
     """K-quants' high bits [panels * 16, K] as the plane of words [panels, K * hbits / 32, 16]: value e of a
     word at bit hbits * (e // 2) of its low (even e) or high (odd e) int16 half."""
-    return _by_panels(lambda rows, n: _high_words(rows, hbits, n), high, panels)
-
-
-def _high_words(high: np.ndarray, hbits: int, panels: int) -> np.ndarray:
-    """_high_bit_words on one slice of panels."""
     per_byte = 8 // hbits
     c = high.reshape(panels, PANEL, high.shape[1] * hbits // 32, 32 // hbits)
     out = np.zeros(c.shape[:-1] + (4,), dtype=np.uint8)
