@@ -173,8 +173,8 @@ def test_a_large_body_is_read_as_a_small_one(server: ServerThread, body: bytes) 
 
 
 @pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 5}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 5, "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "ignore_eos": True}),
 ])
 def test_a_non_streamed_body_is_built_and_encoded_off_the_event_loop(server: ServerThread,
                                                                      monkeypatch: pytest.MonkeyPatch, path: str,
