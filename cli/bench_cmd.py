@@ -85,11 +85,14 @@ def _print_table(title: str, runs: list[dict]) -> None:
 @click.option("--concurrency", default=16, show_default=True, help="Concurrent clients with --url.")
 @click.option("--api-key", default=None, help="API key for --url.")
 @click.option("--served-model", default=None, help="Model name to send with --url (default: the server's first).")
+@click.option("--profile", is_flag=True,
+              help="Add where each engine step's time goes (single and sweep): scheduling, batch building, graph "
+                   "building, evaluation, sampling, output (stop checks, detokenizing), idle, and host time in all.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON on stdout.")
 def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
               num_requests: int, max_output: int, streams: str, context: int, seed: int, url: str | None, concurrency: int,
               api_key: str | None,
-              served_model: str | None, as_json: bool) -> None:
+              served_model: str | None, profile: bool, as_json: bool) -> None:
     """Measure throughput, TTFT, time per output token, KV use and prefix-cache hits."""
     # the workloads and the engine import NumPy and the kernels: loaded when a benchmark runs, not for --help
     from edgeserve.bench import workloads
@@ -100,6 +103,8 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
         raise click.UsageError("the speculative workload compares the in-process engine's modes; leave out --url")
     if url and context > SWEEP_TOKENS:
         raise click.UsageError("--context shapes the in-process sweep; leave out --url")
+    if url and profile:
+        raise click.UsageError("--profile times the in-process engine's steps; leave out --url")
     loaded = load_model(model)
     tok = loaded.tokenizer
     results: dict[str, object] = {"model": loaded.source.name}
@@ -121,7 +126,7 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
         # llama-bench times after a warm-up run: so here, or the prefill figure would hold first-use costs (the
         # weights' pages read in, the pool's memory touched) that a running server paid once
         workloads.run_engine(engine, workloads.uniform_workload(tok, 1, 512, 1, seed + 1), "warm-up")
-        r = workloads.run_engine(engine, req, "single stream").summary()
+        r = workloads.run_engine(engine, req, "single stream", profile=profile).summary()
         r["prefill_tokens_per_s"] = round(512 / r["ttft_p50_s"], 1)
         # llama-bench's tg128 decodes from an empty context: a one-token prompt here is the same work
         req = workloads.uniform_workload(tok, 1, 1, 128, seed)
@@ -144,9 +149,10 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
                 workloads.run_engine(e, [dataclasses.replace(requests[0], max_tokens=1)], "shared prefix")
             else:
                 requests = workloads.uniform_workload(tok, n, SWEEP_TOKENS, SWEEP_TOKENS, seed)
-            r = workloads.run_engine(e, requests, f"{n} stream{'s' if n > 1 else ''}").summary()
+            r = workloads.run_engine(e, requests, f"{n} stream{'s' if n > 1 else ''}", profile=profile).summary()
             rows.append({"streams": n, "context": context, "decode_tokens_per_s": r["decode_tokens_per_s"],
-                         "output_tokens_per_s": r["output_tokens_per_s"], "tpot_p50_s": r["tpot_p50_s"]})
+                         "output_tokens_per_s": r["output_tokens_per_s"], "tpot_p50_s": r["tpot_p50_s"],
+                         **{k: v for k, v in r.items() if k.startswith("step_")}})
         results["sweep"] = rows
     if workload in ("prefix", "all"):
         requests = workloads.shared_prefix_workload(tok, 16, 1500, seed=seed)

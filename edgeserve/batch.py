@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +24,8 @@ class Batch:
     block_tables: np.ndarray  # [B, max_blocks] int, padded with 0
     logits_indices: np.ndarray  # [S] int, rows whose logits are wanted (usually each sequence's last)
     block_size: int
+    # the rows' tokens where they are still on the device (an earlier step's samples), in place of token_ids
+    device_token_ids: Any = None
 
     @property
     def num_seqs(self) -> int:

@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from edgeserve.backends.mlx_blocks import CompiledBlocks, rope_rows
 from edgeserve.batch import Batch
 from edgeserve.errors import EdgeserveError
 from edgeserve.metal import select_attention
@@ -79,9 +80,11 @@ class MLXMeta:
 
 class MLXBackend:
     name = "mlx"
+    samples_on_device = True
 
     def __init__(self, kv_dtype: str = "auto") -> None:
         on_gpu = mx.default_device().type == mx.DeviceType.gpu
+        self.computes_async = on_gpu  # MLX on the CPU computes as a step is launched
         self.dtype = mx.float16 if on_gpu else mx.float32
         self.kv_dtype = "float16" if on_gpu else "float32"
         if kv_dtype not in ("auto", self.kv_dtype):
@@ -147,8 +150,8 @@ class MLXBackend:
                 fused.append(np.concatenate([np.asarray(p, dtype=np.float32) for p in group]))
         return Linear([self._weight(w) for w in fused])
 
-    def fuse_blocks(self, layers: list[Any], eps: float, ropes: list[mx.array]) -> None:
-        return None  # MLX evaluates the step's graph lazily, so its per-op calls cost little
+    def fuse_blocks(self, layers: list[Any], eps: float, ropes: list[mx.array]) -> CompiledBlocks:
+        return CompiledBlocks(self, layers, eps, ropes)
 
     def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> mx.array:
         return mx.array((1.0 / inv_freq).astype(np.float32))
@@ -157,8 +160,9 @@ class MLXBackend:
 
     def batch_meta(self, batch: Batch, rope: mx.array) -> MLXMeta:
         bs = batch.block_size
+        device_tokens = batch.device_token_ids
         return MLXMeta(
-            token_ids=mx.array(batch.token_ids.astype(np.int32)),
+            token_ids=mx.array(batch.token_ids.astype(np.int32)) if device_tokens is None else device_tokens,
             positions=mx.array(batch.positions.astype(np.int32)),
             slot_blocks=mx.array((batch.slot_mapping // bs).astype(np.int32)),
             slot_offsets=mx.array((batch.slot_mapping % bs).astype(np.int32)),
@@ -187,13 +191,7 @@ class MLXBackend:
         return x if x.size == 0 else mx.fast.rms_norm(x, w, eps)
 
     def apply_rope(self, x: mx.array, meta: MLXMeta) -> mx.array:
-        # mx.fast.rope counts positions along the second-to-last axis from a per-row offset,
-        # so each row becomes its own length-1 sequence starting at its position.
-        hd = x.shape[-1]
-        out = mx.fast.rope(
-            x[:, :, None, :], hd, traditional=False, base=None, scale=1.0, offset=meta.positions, freqs=meta.freqs
-        )
-        return out[:, :, 0, :]
+        return rope_rows(x, meta.positions, meta.freqs)
 
     def silu_mul(self, gate_up: mx.array) -> mx.array:
         g, u = mx.split(gate_up, 2, axis=-1)
@@ -241,6 +239,18 @@ class MLXBackend:
         mx.eval(x, *self._written)
         self._written = []
         return np.array(x)
+
+    def greedy(self, logits: mx.array) -> mx.array:
+        if logits.size == 0:  # a step of prefill chunks that sample nothing; MLX's argmax rejects empty rows
+            return mx.zeros((logits.shape[0],), dtype=mx.int32)
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
+
+    def launch(self, tokens: mx.array) -> None:
+        mx.async_eval(tokens, *self._written)
+        self._written = []
+
+    def fetch_tokens(self, tokens: mx.array) -> list[int]:
+        return tokens.tolist()
 
     def paged_attention(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: MLXMeta,
                         window: int | None = None) -> mx.array:

@@ -105,6 +105,8 @@ class NumpyMeta:
 
 class NumpyBackend:
     name = "numpy"
+    samples_on_device = False
+    computes_async = False
 
     def __init__(self, weights: str = "float32", threads: int | None = None, activations: str | None = None,
                  kv_dtype: str = "float32"):

@@ -109,10 +109,13 @@ def shared_prefix_workload(tokenizer: Tokenizer, n: int = 16, prefix_len: int = 
     return [BenchRequest(prefix + s, tokenizer.decode(prefix + s), output_len) for s in suffixes]
 
 
-def run_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, progress: bool = True) -> BenchResult:
-    """Submit every request at once and step the engine until all finish, timing each one."""
+def run_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, progress: bool = True,
+               profile: bool = False) -> BenchResult:
+    """Submit every request at once and step the engine until all finish, timing each one; profile: with the
+    seconds per step of each phase of the engine's steps (`StepProfile`)."""
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
     start = time.perf_counter()
+    engine.profile.reset()
     ids = [engine.add_request(r.prompt_ids, p) for r, p in zip(requests, params)]
     first: dict[str, float] = {}
     done: dict[str, RequestTiming] = {}
@@ -157,6 +160,9 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, progr
         "preemptions": stats.preemptions,
         "prefix_cache_hit_tokens": stats.prefix_hit_tokens,
     }
+    if profile:
+        extra.update({f"step_{k}": v for k, v in engine.profile.summary().items() if k != "steps"})
+        extra["steps_launched_ahead"] = stats.steps_launched_ahead
     return BenchResult(name, [done[i] for i in ids], wall, extra)
 
 

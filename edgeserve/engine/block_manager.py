@@ -78,6 +78,10 @@ class BlockManager:
         return [("cached" if h is not None else "free") if r == 0 else ("shared" if r > 1 else "used")
                 for r, h in zip(self.ref_count, self.block_hash)]
 
+    def has_pending_moves(self) -> bool:
+        """Whether block copies, prefix-store saves or loads wait to be made before the next step."""
+        return bool(self._pending_copies or self._evicted or self._pending_loads)
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write block copies (src, dst) to make before the next step writes the pool."""
         copies, self._pending_copies = self._pending_copies, []

@@ -20,10 +20,11 @@ from edgeserve.engine.kv_budget import size_pool
 from edgeserve.engine.model_runner import ModelRunner
 from edgeserve.engine.prefix_store import PrefixStore, namespace_key
 from edgeserve.engine.output import Completion, OutputProcessor, RequestOutput, merge_outputs
-from edgeserve.engine.sampler import check_guess, sample, token_logprobs
+from edgeserve.engine.sampler import check_guess, needs_processing, sample, token_logprobs
 from edgeserve.engine.scheduler import ScheduledSeq, Scheduler
 from edgeserve.engine.sequence import Sequence
 from edgeserve.engine.speculative import Speculator
+from edgeserve.engine.step_profile import StepProfile
 from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.models.loader import LoadedModel, load_model, model_fingerprint
 from edgeserve.sampling_params import SamplingDefaults, SamplingParams
@@ -57,6 +58,7 @@ class EngineStats:
     draft_tokens: int = 0  # tokens speculative decoding guessed and checked
     accepted_draft_tokens: int = 0  # of those, how many were right (each one a token gained)
     draft_checks: int = 0  # decode steps of a sequence that checked a draft
+    steps_launched_ahead: int = 0  # steps launched before the previous step's tokens reached the host
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -65,6 +67,22 @@ class EngineStats:
     @property
     def draft_acceptance_rate(self) -> float:
         return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass
+class LaunchedAhead:
+    """A decode step launched one step early: the sequences of the step running when it was launched, each one
+    token on, their input tokens that step's samples (still on the device)."""
+
+    seqs: list[Sequence]
+    positions: list[int]  # each sequence's row's position
+    tokens: Any  # its sampling rows' likeliest tokens, on the device
+
+    def matches(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether the scheduler asks for exactly this step."""
+        return len(scheduled) == len(self.seqs) and all(
+            item.seq is seq and item.num_new_tokens == 1 and not item.draft and item.first_position == pos
+            for item, seq, pos in zip(scheduled, self.seqs, self.positions))
 
 
 @dataclass(frozen=True)
@@ -134,6 +152,8 @@ class LLMEngine:
         self.constraints = Constraints(self.tokenizer, self.vocab_size)
         self._ids = itertools.count()
         self._stats = EngineStats()
+        self.profile = StepProfile()
+        self._ahead: LaunchedAhead | None = None
         self._recent: list[tuple[float, int]] = []  # (time, output tokens) per step
 
     def describe_limits(self) -> str | None:
@@ -237,9 +257,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, update the sequences, and return each sampled request's output."""
+        self.profile.begin()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        self.profile.lap("schedule")
+        if self._greedy_on_device(scheduled):
+            return self._greedy_step(scheduled)
+        self._ahead = None
         sampling = [item for item in scheduled if item.samples]
         plain = [item.seq for item in sampling if not item.draft]
         masks = self.constraints.start_masks(plain)  # computed while the model runs
@@ -254,6 +279,7 @@ class LLMEngine:
         tokens, failed = sample(plain_logits, plain)
         failed = {**failed, **unmasked}
         logprobs = self._logprobs(plain_logits, plain, tokens)
+        self.profile.lap("sample")
         self._update(scheduled)
         outputs = []
         row = iter(range(len(plain)))
@@ -264,7 +290,68 @@ class LLMEngine:
                 i = next(row)
                 outputs.append(self._output(item.seq, tokens[i], logprobs.get(i), failed.get(i)))
         self._count_outputs(sum(len(out.token_ids) for out in outputs))
+        self.profile.end("output")
         return outputs
+
+    def _greedy_on_device(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether the step's sampling rows can all take their likeliest token on the backend's device: greedy,
+        with no penalty, bias, grammar, logprobs or draft to apply on the host."""
+        if not self.backend.samples_on_device:
+            return False
+        return all(not item.draft and not (item.samples and (
+            needs_processing(item.seq) or item.seq.params.logprobs is not None
+            or self.constraints.constrains(item.seq.request_id))) for item in scheduled)
+
+    def _greedy_step(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
+        """A step sampled on the device. While the device computes it, the host builds the next step where that
+        can only be the same sequences one token on (their tokens this step's samples, still on the device), and
+        launches it as soon as this one is done, before this step's outputs are processed; the scheduler's next
+        step takes it if it asks for exactly that (nobody finished, joined or drafted), and otherwise it is
+        dropped: its only effect, K/V at the slot after each row's, is written again before anything reads it.
+
+        It is launched only once this step is done because the pool's writes update it in place, which the device
+        can do only once nothing else in flight still uses it (else each write would copy the whole pool)."""
+        sampling = [item.seq for item in scheduled if item.samples]
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.matches(scheduled) and not self.block_manager.has_pending_moves():
+            tokens = ahead.tokens
+            self._stats.steps_launched_ahead += 1
+            self.profile.lap("batch")
+        else:
+            self._move_tiers()
+            copies = self.block_manager.take_pending_copies()
+            if copies:
+                self.runner.copy_blocks(copies)
+            tokens = self.runner.greedy_tokens(scheduled, profile=self.profile)
+            self.backend.launch(tokens)
+            self.profile.lap("eval")  # a backend computing on the host (MLX on the CPU) computes here
+        if self.backend.computes_async and len(sampling) == len(scheduled) and all(
+                item.num_new_tokens == 1 and self._room_after_next(item.seq) for item in scheduled):
+            self._ahead = self._build_ahead(sampling, tokens)
+        sampled = self.backend.fetch_tokens(tokens)
+        self.profile.lap("eval")
+        if self._ahead is not None:
+            self.backend.launch(self._ahead.tokens)
+            self.profile.lap("eval")
+        self._update(scheduled)
+        outputs = [self._output(seq, token, None, None) for seq, token in zip(sampling, sampled)]
+        self._count_outputs(sum(len(out.token_ids) for out in outputs))
+        self.profile.end("output")
+        return outputs
+
+    def _room_after_next(self, seq: Sequence) -> bool:
+        """Whether seq, given the token now being sampled, may still take another."""
+        return (seq.num_output_tokens + 1 < seq.params.max_tokens and seq.num_tokens + 1 < self.max_model_len)
+
+    def _build_ahead(self, seqs: list[Sequence], tokens: Any) -> LaunchedAhead | None:
+        """The decode of seqs one token on, from their tokens still on the device; None where the pool has no room
+        for it (what it holds stays theirs: the next step needs it)."""
+        if not all(self.block_manager.allocate_slots(seq, 2) for seq in seqs):
+            return None
+        self._move_tiers()  # blocks those slots took from the prefix cache: read before the step overwrites them
+        items = [ScheduledSeq(seq, 1, ahead=True) for seq in seqs]
+        ahead = self.runner.greedy_tokens(items, device_tokens=tokens, profile=self.profile)
+        return LaunchedAhead(seqs, [item.first_position for item in items], ahead)
 
     def run_to_completion(self, on_step: Callable[[list[RequestOutput]], None] | None = None
                           ) -> dict[str, Completion]:
@@ -286,7 +373,7 @@ class LLMEngine:
         copies = self.block_manager.take_pending_copies()
         if copies:
             self.runner.copy_blocks(copies)
-        return self.runner.run(scheduled)
+        return self.runner.run(scheduled, profile=self.profile)
 
     def _move_tiers(self) -> None:
         """The K/V of blocks evicted since the last step into the prefix store, then the store's hits into the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from edgeserve.backends.base import Backend
@@ -9,6 +11,7 @@ from edgeserve.backends.kv_pool import KVPool
 from edgeserve.batch import Batch
 from edgeserve.engine.kv_budget import PoolSize
 from edgeserve.engine.scheduler import ScheduledSeq
+from edgeserve.engine.step_profile import StepProfile
 from edgeserve.models.loader import LoadedModel
 from edgeserve.models.registry import build_model
 
@@ -25,7 +28,8 @@ class ModelRunner:
         # one block of one layer's K or V: its element type and shape, which the store's bytes are read back as
         self.block_layout: tuple[np.dtype, tuple[int, ...]] = (probe.dtype, probe.shape[1:])
 
-    def build_batch(self, scheduled: list[ScheduledSeq]) -> Batch:
+    def build_batch(self, scheduled: list[ScheduledSeq], device_tokens: Any = None) -> Batch:
+        """The step's rows; device_tokens: their token ids where those are still on the device."""
         bs = self.block_size
         tokens, positions, slots, lens, tables, sample_rows = [], [], [], [], [], []
         starts = [0]
@@ -34,7 +38,8 @@ class ModelRunner:
             first = item.first_position
             pos = np.arange(first, first + n)
             table = np.asarray(seq.block_table, dtype=np.int64)
-            tokens.append(seq.token_ids[first : first + n - len(item.draft)] + item.draft)
+            if device_tokens is None:
+                tokens.append(seq.token_ids[first : first + n - len(item.draft)] + item.draft)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             lens.append(first + n)
@@ -47,7 +52,8 @@ class ModelRunner:
         for i, t in enumerate(tables):
             block_tables[i, : len(t)] = t
         return Batch(
-            token_ids=np.fromiter((t for chunk in tokens for t in chunk), dtype=np.int64),
+            token_ids=np.fromiter((t for chunk in tokens for t in chunk), dtype=np.int64, count=starts[-1])
+            if device_tokens is None else np.zeros(starts[-1], np.int64),
             positions=np.concatenate(positions),
             slot_mapping=np.concatenate(slots),
             query_start=np.asarray(starts, dtype=np.int64),
@@ -55,7 +61,20 @@ class ModelRunner:
             block_tables=block_tables,
             logits_indices=np.asarray(sample_rows, dtype=np.int64),
             block_size=bs,
+            device_token_ids=device_tokens,
         )
+
+    def greedy_tokens(self, scheduled: list[ScheduledSeq], device_tokens: Any = None,
+                      profile: StepProfile | None = None) -> Any:
+        """The step's sampling rows' likeliest tokens, not yet computed (a backend with samples_on_device: its
+        `launch` starts them); device_tokens: the step's input tokens, where those are still on the device."""
+        batch = self.build_batch(scheduled, device_tokens)
+        if profile:
+            profile.lap("batch")
+        tokens = self.backend.greedy(self.model.forward(batch, self.kv))
+        if profile:
+            profile.lap("graph")
+        return tokens
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         for layer in range(self.args.num_hidden_layers):
@@ -80,11 +99,20 @@ class ModelRunner:
                 values = np.ascontiguousarray(rows[:, 2 * layer + i]).view(dtype).reshape(len(blocks), *shape)
                 pool[layer] = self.backend.write_blocks(pool[layer], blocks, values)
 
-    def run(self, scheduled: list[ScheduledSeq], all_rows: bool = False, hidden: bool = False) -> np.ndarray:
+    def run(self, scheduled: list[ScheduledSeq], all_rows: bool = False, hidden: bool = False,
+            profile: StepProfile | None = None) -> np.ndarray:
         """Forward the step; return float32 logits [sampling rows (or every row), vocab] as NumPy (hidden: the
         final hidden states [rows, hidden_size] instead). A sequence checking a draft has 1 + len(draft)
-        sampling rows."""
+        sampling rows. profile: the step's, timing its batch, graph and eval phases."""
         batch = self.build_batch(scheduled)
         if all_rows:
             batch.logits_indices = np.arange(len(batch.token_ids))
-        return self.backend.to_numpy(self.model.forward(batch, self.kv, hidden))
+        if profile:
+            profile.lap("batch")
+        out = self.model.forward(batch, self.kv, hidden)
+        if profile:
+            profile.lap("graph")
+        logits = self.backend.to_numpy(out)
+        if profile:
+            profile.lap("eval")
+        return logits

@@ -27,10 +27,11 @@ class ScheduledSeq:
     num_new_tokens: int
     padding: bool = False  # a finished sequence held in a static batch: its last token, recomputed
     draft: list[int] = field(default_factory=list)  # guessed next tokens, checked in this step after its last token
+    ahead: bool = False  # the decode after the one running now, launched before that one's token reached the host
 
     @property
     def first_position(self) -> int:
-        return self.seq.num_computed_tokens - 1 if self.padding else self.seq.num_computed_tokens
+        return self.seq.num_computed_tokens - self.padding + self.ahead
 
     @property
     def samples(self) -> bool:

@@ -21,7 +21,7 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # one request is one object: comparing fields would cost the scheduler's `in` checks dearly
 class Sequence:
     request_id: str
     prompt_ids: list[int]

@@ -1,0 +1,103 @@
+"""The MLX backend's decoder blocks, each layer's math around attention compiled with `mx.compile`.
+
+Building a step's lazy graph op by op costs a few microseconds of Python per op, some forty ops a
+layer: on a GPU, where a small model's kernels take less, that host time is most of a decode step.
+Each layer here is two compiled calls (everything before the K/V write, everything after attention:
+norms, matmuls, RoPE, activation and residual adds, fused into fewer kernels) around the pool write
+and the paged attention, which stay as they are (the write updates the pool in place; the attention
+is the custom kernel). A compiled function is traced once per input shape: steps of up to
+`MAX_COMPILED_ROWS` rows (decode steps) use them, larger ones (long prefill chunks, whose kernels
+dwarf their host time) the same math op by op.
+
+The math is `models/llama.py`'s `Llama.block` for the options a family sets (q/k norms, query scale,
+QKV bias, sliding window, RoPE table, activation, post norms); `Llama` hands a model here only when
+its blocks are that code's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from edgeserve.backends.kv_pool import KVPool
+    from edgeserve.backends.mlx_backend import MLXBackend, MLXMeta
+
+MAX_COMPILED_ROWS = 64
+
+
+def rope_rows(x: mx.array, positions: mx.array, freqs: mx.array) -> mx.array:
+    """Rows x [T, heads, head_dim] rotated each to its own position."""
+    # mx.fast.rope counts positions along the second-to-last axis from a per-row offset,
+    # so each row becomes its own length-1 sequence starting at its position.
+    return mx.fast.rope(x[:, :, None, :], x.shape[-1], traditional=False, base=None, scale=1.0, offset=positions,
+                        freqs=freqs)[:, :, 0, :]
+
+
+class CompiledBlocks:
+    """Every decoder block of a step: `blocks(h, kv, meta)` returns the residual stream after the last."""
+
+    def __init__(self, backend: MLXBackend, layers: list[Any], eps: float, ropes: list[mx.array]):
+        self.backend = backend
+        self.layers = layers
+        self.ropes = ropes
+        self.eps = eps
+        self.compiled = [(mx.compile(self._before_write(layer)), mx.compile(self._after_attention(layer)))
+                         for layer in layers]
+
+    def __call__(self, h: mx.array, kv: KVPool, meta: MLXMeta) -> mx.array:
+        be = self.backend
+        compiled = h.shape[0] <= MAX_COMPILED_ROWS
+        metas = [meta, *(be.with_rope(meta, rope) for rope in self.ropes[1:])]
+        for i, layer in enumerate(self.layers):
+            before, after = self.compiled[i] if compiled else (self._before_write(layer), self._after_attention(layer))
+            m = metas[layer.attention.rope]
+            q, k, v = before(h, m.positions, m.freqs)
+            kv.write(i, k, v, m)
+            o = be.paged_attention(q, kv.k[i], kv.v[i], m, layer.attention.window)
+            h = after(h, o)
+        return h
+
+    def _before_write(self, layer: Any) -> Callable[[mx.array, mx.array, mx.array], tuple[mx.array, ...]]:
+        """(h, positions, RoPE wavelengths) -> this layer's q, k, v [T, heads, head_dim]."""
+        eps, attn = self.eps, layer.attention
+        n_q, n_kv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+
+        def before_write(h: mx.array, positions: mx.array, freqs: mx.array) -> tuple[mx.array, ...]:
+            qkv = attn.qkv(mx.fast.rms_norm(h, layer.attn_norm, eps))
+            if attn.qkv_bias is not None:
+                qkv = qkv + attn.qkv_bias
+            t = qkv.shape[0]
+            k_end = (n_q + n_kv) * hd
+            qk = qkv[:, :k_end].reshape(t, n_q + n_kv, hd)
+            if attn.q_norm is None:
+                qk = rope_rows(qk, positions, freqs)
+                q, k = qk[:, :n_q], qk[:, n_q:]
+            else:
+                q = mx.fast.rms_norm(qk[:, :n_q], attn.q_norm, attn.norm_eps)
+                k = mx.fast.rms_norm(qk[:, n_q:], attn.k_norm, attn.norm_eps)
+                q, k = rope_rows(q, positions, freqs), rope_rows(k, positions, freqs)
+            if attn.q_scale != 1.0:
+                q = q * attn.q_scale
+            return q, k, qkv[:, k_end:].reshape(t, n_kv, hd)
+
+        return before_write
+
+    def _after_attention(self, layer: Any) -> Callable[[mx.array, mx.array], mx.array]:
+        """(h, attention output [T, heads, head_dim]) -> h after the block."""
+        be, eps, attn, mlp = self.backend, self.eps, layer.attention, layer.mlp
+        activation = be.silu_mul if mlp.activation == "silu" else be.gelu_tanh_mul
+
+        def after_attention(h: mx.array, o: mx.array) -> mx.array:
+            a = attn.o(o.reshape(o.shape[0], -1))
+            if layer.post_attn_norm is not None:
+                a = mx.fast.rms_norm(a, layer.post_attn_norm, eps)
+            h = h + a
+            m = mlp.down(activation(mlp.gate_up(mx.fast.rms_norm(h, layer.mlp_norm, eps))))
+            if layer.post_mlp_norm is not None:
+                m = mx.fast.rms_norm(m, layer.post_mlp_norm, eps)
+            return h + m
+
+        return after_attention
