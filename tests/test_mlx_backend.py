@@ -100,6 +100,15 @@ def test_batch_invariance(loaded_model, numpy_engine, mlx_alone):
 # KV pools in other dtypes ------------------------------------------------------------------------
 
 
+@pytest.fixture
+def mlx_on_cpu():
+    """MLX on the CPU for one test, where its activations are float32 whatever the machine has."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
+
+
 @pytest.mark.parametrize("head_dim", [64, 256, 48, 16])
 def test_int8_write_gives_the_numpy_bits(head_dim):
     """write_kv quantizes on the device to kv_formats.store's bytes, scales included, at the step's slots;
@@ -134,7 +143,7 @@ def test_reference_reads_int8_as_kv_formats_loads(head_dim, group):
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "int8"])
-def test_the_tiny_model_matches_numpy_on_the_same_pool_dtype(tiny_model, kv_dtype):
+def test_the_tiny_model_matches_numpy_on_the_same_pool_dtype(mlx_on_cpu, tiny_model, kv_dtype):
     """The tiny model with an MLX pool of kv_dtype: the NumPy backend's greedy tokens on its pool of that
     dtype, and its prompt logits, far closer than either to the float32 pool's; the pool takes the bytes
     --kv-memory was sized for."""
@@ -156,7 +165,7 @@ def test_the_tiny_model_matches_numpy_on_the_same_pool_dtype(tiny_model, kv_dtyp
     assert sum(a.nbytes for a in engine.runner.kv.k + engine.runner.kv.v) == engine.pool_size.bytes
 
 
-def test_kv_dtype_choices(monkeypatch):
+def test_kv_dtype_choices(mlx_on_cpu, monkeypatch):
     assert MLXBackend("auto").kv_dtype == "float32"  # on the CPU, as its activations
     assert MLXBackend("float16").kv_dtype == "float16"
     with pytest.raises(EdgeserveError, match="int4"):
