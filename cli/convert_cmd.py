@@ -181,7 +181,7 @@ def kv_cmd(model: str, config: EngineConfig, text_path: Path | None) -> None:
     """What each KV dtype costs a model: perplexity, KL divergence and top-1 agreement against the float32 pool,
     over the windows `eval perplexity` scores (the NumPy backend; --kv-dtype adds nothing here)."""
     if config.backend == "mlx":
-        raise EdgeserveError("eval kv compares the numpy backend's KV dtypes; the mlx backend has one")
+        raise EdgeserveError("eval kv compares the numpy backend's KV dtypes; drop --backend mlx")
     ctx = config.max_model_len or PERPLEXITY_WINDOW
     text = read_text(text_path)
     from edgeserve.backends import KV_DTYPES

@@ -1,8 +1,8 @@
 """The Metal and CUDA paged-attention sources, generated from one template per kernel.
 
 A template (`*.kernel`) is the kernel body written once, with a few macros where the two
-languages differ: thread indices, SIMD shuffles, the barrier, shared memory, math functions and
-vector loads. Each target gives every macro its text; a function-like macro's `{0}`, `{1}`...
+languages differ: thread indices, SIMD shuffles, the barrier, shared memory, math functions,
+vector loads and the load of an int8 pool's float16 scale. Each target gives every macro its text; a function-like macro's `{0}`, `{1}`...
 are its arguments, and one that expands to a block takes the place of a statement (the `;` after
 it goes). The generated `.metal` and `.cu` files are checked in so they can be read and compiled
 as they are; `python -m edgeserve.metal.codegen` rewrites them after a template changes, and
@@ -36,6 +36,7 @@ METAL = {
     "RSQRT": "metal::rsqrt({0})",
     # Metal has no 8-wide vector type; the loads of one lane are contiguous all the same.
     "LOAD_VEC": "for (int e = 0; e < VEC; ++e) {{\n  {0}[e] = float({1}[{2} + e]);\n}}",
+    "LOAD_HALF": "float(*reinterpret_cast<const device half*>({0} + {1}))",
 }
 
 CUDA = {
@@ -56,6 +57,7 @@ CUDA = {
     # One 16-byte load per lane.
     "LOAD_VEC": "{{\n  const Chunk chunk = *reinterpret_cast<const Chunk*>({1} + {2});\n"
                 "  for (int e = 0; e < VEC; ++e) {{\n    {0}[e] = float(chunk.v[e]);\n  }}\n}}",
+    "LOAD_HALF": "float(*reinterpret_cast<const __half*>({0} + {1}))",
 }
 
 TARGETS = {"metal": (METAL, "metal", "Metal body for mx.fast.metal_kernel"),

@@ -5,8 +5,9 @@
 
 The kernels are launched through the host code (`kernels.launch`) with a stand-in for
 mx.fast.metal_kernel that records the source MLX would generate for each launch: every dtype and
-supported head dim, a spread of query heads per KV head, and batches small enough that their
-block tables and row arrays are bound in the constant address space as well as larger ones.
+supported head dim, on a pool of that dtype and on an int8 pool, a spread of query heads per KV
+head, and batches small enough that their block tables and row arrays are bound in the constant
+address space as well as larger ones.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from edgeserve.backends.kv_formats import kv_head_bytes
 from edgeserve.batch import random_paged_batch
 from edgeserve.metal.emulator.runner import EmulatedKernel
 from edgeserve.metal.kernels import launch, make_kernels, prepare_kernel
@@ -60,8 +62,9 @@ def instantiations() -> dict[str, str]:
                     n_kv = 1 if rows == 1 else N_KV
                     if kernel_supports(head_dim, group * n_kv, n_kv):
                         q = mx.zeros((rows, group * n_kv, head_dim), dtype)
-                        kv = mx.zeros((num_blocks, BLOCK_SIZE, n_kv, head_dim), dtype)
-                        launch(partition, reduce, q, kv, kv, meta)
+                        for kv_dtype, width in ((dtype, head_dim), (mx.int8, kv_head_bytes("int8", head_dim))):
+                            kv = mx.zeros((num_blocks, BLOCK_SIZE, n_kv, width), kv_dtype)
+                            launch(partition, reduce, q, kv, kv, meta)
     return sources
 
 

@@ -4,8 +4,9 @@ their launches.
 
 One kernel serves the whole ragged batch: every query row (a decode token or a row of a prefill
 chunk) attends to the first `position + 1` tokens of its sequence, read straight from the pool
-through the block table, with no gathered copy of K/V. Long contexts are split into partitions
-so that small batches still fill the GPU; a second, small kernel merges the partitions.
+through the block table, with no gathered copy of K/V (an int8 pool's heads are dequantized in
+registers). Long contexts are split into partitions so that small batches still fill the GPU; a
+second, small kernel merges the partitions.
 
 Prefill rows take the same kernel although each row reads its K/V again: on an H100 (float16)
 a 512-row chunk ran in about half the gather path's time at context 512 and within 15% of it at
@@ -24,6 +25,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
+from edgeserve.backends.kv_formats import int8_kv_group
 from edgeserve.batch import Batch
 from edgeserve.metal.codegen import generated_path
 from edgeserve.metal.launch_limits import THREADS, kernel_supports
@@ -101,7 +103,7 @@ def kernel_paged_attention(
         if meta.fallback is None:
             meta.fallback = prepare_reference(meta.batch)
         return reference_paged_attention(q, k_cache, v_cache, meta.fallback)
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if k_cache.dtype not in (q.dtype, mx.int8) or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"q is {q.dtype} but the pool is {k_cache.dtype}/{v_cache.dtype}")
     return launch(*_kernels(platform), q, k_cache, v_cache, meta)
 
@@ -124,6 +126,7 @@ def launch(
             ("N_KV", n_kv),
             ("BLOCK_SIZE", meta.block_size),
             ("PART", part),
+            ("KV_SCALES", hd // int8_kv_group(hd) if k_cache.dtype == mx.int8 else 0),
         ],
         grid=(t * THREADS, n_kv, num_parts),
         threadgroup=(THREADS, 1, 1),

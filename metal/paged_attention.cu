@@ -14,8 +14,11 @@
 // then across SIMD groups in threadgroup (shared) memory, and the partition's (max, sum,
 // output) goes to pass 2, which merges the partitions.
 //
-// Template constants: T (element type of q and the pool), HEAD_DIM, GROUP (query heads per KV
-// head), N_KV (KV heads), BLOCK_SIZE (tokens per pool block), PART (tokens per partition).
+// Template constants: T (element type of q, and of the pool unless it is int8), HEAD_DIM, GROUP
+// (query heads per KV head), N_KV (KV heads), BLOCK_SIZE (tokens per pool block), PART (tokens
+// per partition), KV_SCALES (0, or for an int8 pool the float16 scales of a head: its HEAD_DIM
+// int8 values come first, then a scale per HEAD_DIM / KV_SCALES of them, as kv_formats lays it
+// out; the values are dequantized in registers).
 // Everything stays in this body, and buffers are indexed by offsets rather than pointers,
 // because Metal binds small inputs in the constant address space.
 
@@ -24,6 +27,7 @@ constexpr int VEC = 8;
 constexpr int LANES = HEAD_DIM / VEC;
 constexpr int SLOTS = 32 / LANES;
 constexpr float MASKED = -1e30f;
+constexpr int ROW = HEAD_DIM + 2 * KV_SCALES;  // elements of one pool head
 constexpr unsigned FULL = 0xffffffffu;
 struct alignas(16) Chunk {
   T v[VEC];
@@ -68,18 +72,36 @@ for (int g = 0; g < GROUP; ++g) {
 for (int t0 = begin + warp * SLOTS; t0 < end; t0 += WARPS * SLOTS) {
   const int t = t0 + slot;
   const bool valid = t < end;
-  size_t base = 0;
   float kf[VEC];
+  float vf[VEC];
   for (int e = 0; e < VEC; ++e) {
     kf[e] = 0.0f;
   }
   if (valid) {
     const int block = block_tables[table + t / BLOCK_SIZE];
-    base = ((size_t(block) * BLOCK_SIZE + t % BLOCK_SIZE) * N_KV + kv_head) * HEAD_DIM + dim0;
-    {
-      const Chunk chunk = *reinterpret_cast<const Chunk*>(k_cache + base);
+    const size_t head = ((size_t(block) * BLOCK_SIZE + t % BLOCK_SIZE) * N_KV + kv_head) * ROW;
+    if (KV_SCALES > 0) {
+      // An int8 head of HEAD_DIM + 2 * KV_SCALES bytes starts only 2-byte aligned, so its values
+      // are read one by one; a lane's VEC values lie in one scale's group.
+      const size_t scale_at = head + HEAD_DIM + 2 * (dim0 * KV_SCALES / HEAD_DIM);
+      const float k_scale = float(*reinterpret_cast<const __half*>(k_cache + scale_at));
+      const float v_scale = float(*reinterpret_cast<const __half*>(v_cache + scale_at));
       for (int e = 0; e < VEC; ++e) {
-        kf[e] = float(chunk.v[e]);
+        kf[e] = float(k_cache[head + dim0 + e]) * k_scale;
+        vf[e] = float(v_cache[head + dim0 + e]) * v_scale;
+      }
+    } else {
+      {
+        const Chunk chunk = *reinterpret_cast<const Chunk*>(k_cache + head + dim0);
+        for (int e = 0; e < VEC; ++e) {
+          kf[e] = float(chunk.v[e]);
+        }
+      }
+      {
+        const Chunk chunk = *reinterpret_cast<const Chunk*>(v_cache + head + dim0);
+        for (int e = 0; e < VEC; ++e) {
+          vf[e] = float(chunk.v[e]);
+        }
       }
     }
   }
@@ -95,13 +117,6 @@ for (int t0 = begin + warp * SLOTS; t0 < end; t0 += WARPS * SLOTS) {
     s[g] = dot;
   }
   if (valid) {
-    float vf[VEC];
-    {
-      const Chunk chunk = *reinterpret_cast<const Chunk*>(v_cache + base);
-      for (int e = 0; e < VEC; ++e) {
-        vf[e] = float(chunk.v[e]);
-      }
-    }
     for (int g = 0; g < GROUP; ++g) {
       const float m_new = fmaxf(m[g], s[g]);
       const float keep = expf(m[g] - m_new);

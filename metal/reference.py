@@ -1,7 +1,8 @@
 """Paged attention over a ragged batch in plain MLX ops: the reference the custom kernels must match.
 
-K and V are gathered from the pool through the block tables into contiguous copies, then
-attended with ordinary matmuls and a softmax. Decode rows (one query token per sequence) are
+K and V are gathered from the pool through the block tables into contiguous copies (an int8
+pool's heads dequantized there, as `kv_formats.load` does), then attended with ordinary matmuls
+and a softmax. Decode rows (one query token per sequence) are
 done together as one batch; each prefill chunk is done on its own with a causal mask. A
 sliding-window layer adds the keys before each row's window to its mask (those masks are made
 on the step's first windowed call and kept for its other layers).
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from edgeserve.backends.kv_formats import int8_kv_group
 from edgeserve.batch import Batch
 
 # Large enough to zero a probability, small enough to stay finite in float32.
@@ -102,18 +104,31 @@ def reference_paged_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array,
     outputs = []
     if meta.num_decode:
         d = meta.num_decode
-        k = k_cache[meta.decode_blocks].reshape(d, -1, n_kv, hd).transpose(0, 2, 3, 1)  # [D, kv, hd, L]
-        v = v_cache[meta.decode_blocks].reshape(d, -1, n_kv, hd).transpose(0, 2, 1, 3)  # [D, kv, L, hd]
+        k, v = (kv_heads(cache[meta.decode_blocks], hd, q.dtype).reshape(d, -1, n_kv, hd)
+                for cache in (k_cache, v_cache))
+        k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [D, kv, hd, L], [D, kv, L, hd]
         qd = q[meta.decode_rows].reshape(d, n_kv, group, hd) * scale
         outputs.append(_softmax_av(qd @ k + decode_mask, v).reshape(d, n_heads, hd))
     for chunk, mask in zip(meta.prefills, chunk_masks):
         c, n = chunk.context_len, chunk.length
-        k = k_cache[chunk.blocks].reshape(-1, n_kv, hd)[:c].transpose(1, 2, 0)  # [kv, hd, c]
-        v = v_cache[chunk.blocks].reshape(-1, n_kv, hd)[:c].transpose(1, 0, 2)  # [kv, c, hd]
+        k = kv_heads(k_cache[chunk.blocks], hd, q.dtype).reshape(-1, n_kv, hd)[:c].transpose(1, 2, 0)  # [kv, hd, c]
+        v = kv_heads(v_cache[chunk.blocks], hd, q.dtype).reshape(-1, n_kv, hd)[:c].transpose(1, 0, 2)  # [kv, c, hd]
         qc = (q[chunk.start : chunk.start + n] * scale).reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3)
         o = _softmax_av(qc @ k[:, None] + mask, v[:, None])  # [kv, g, n, hd]
         outputs.append(o.transpose(2, 0, 1, 3).reshape(n, n_heads, hd))
     return mx.concatenate(outputs, axis=0)[meta.row_order]
+
+
+def kv_heads(heads: mx.array, head_dim: int, dtype: mx.Dtype) -> mx.array:
+    """Pool heads [..., head] as dtype [..., head_dim]: an int8 head's values times its groups' float16
+    scales, in float32 as kv_formats.load does."""
+    if heads.dtype != mx.int8:
+        return heads if heads.dtype == dtype else heads.astype(dtype)
+    group = int8_kv_group(head_dim)
+    lead = heads.shape[:-1]
+    scales = heads[..., head_dim:].view(mx.float16).astype(mx.float32)
+    values = heads[..., :head_dim].astype(mx.float32).reshape(*lead, head_dim // group, group)
+    return (values * scales[..., None]).reshape(*lead, head_dim).astype(dtype)
 
 
 def _softmax_av(scores: mx.array, v: mx.array) -> mx.array:

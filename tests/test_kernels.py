@@ -1,6 +1,7 @@
 """Paged attention: the plain-MLX reference against the NumPy backend (everywhere), the custom
-kernels against the reference on random pools (where MLX has a Metal or CUDA GPU), and greedy
-output of the default model with kernel and reference (GPU only)."""
+kernels against the reference on random pools, int8 ones too (where MLX has a Metal or CUDA GPU),
+and greedy output of the default model with kernel and reference, on its default and int8 pools
+(GPU only)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from edgeserve.backends import kv_formats
 from edgeserve.backends.numpy_backend import NumpyBackend
 from edgeserve.batch import Batch
 from edgeserve.engine.llm_engine import LLMEngine
@@ -97,6 +99,22 @@ def test_kernel_matches_reference(dtype, block_size, n_kv, group, head_dim):
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("n_kv,group,head_dim", [(3, 3, 64), (2, 8, 128), (1, 4, 256)])
+def test_kernel_reads_an_int8_pool(dtype, n_kv, group, head_dim):
+    """kv_formats' int8 heads (one, two or four float16 scales each), dequantized in registers."""
+    batch, q, k, v = random_case(group * 10 + head_dim, 16, n_kv, group, head_dim)
+    q = mx.array(q).astype(getattr(mx, dtype))
+    k, v = (mx.array(kv_formats.store(a, "int8")) for a in (k, v))
+    got = kernel_paged_attention(q, k, v, prepare_kernel(batch), PLATFORM)
+    assert got.dtype == q.dtype
+    with mx.stream(mx.cpu):
+        want = reference_paged_attention(q.astype(mx.float32), k, v, prepare_reference(batch))
+    diff = mx.abs(got.astype(mx.float32) - want).max().item()
+    assert diff <= TOLERANCE[dtype], f"max abs diff {diff} over {TOLERANCE[dtype]}"
+
+
+@needs_gpu
 def test_kernel_decode_only_batch_small_contexts():
     """Decode rows alone, contexts shorter than a block, and a batch smaller than the constant-buffer size."""
     batch, q, k, v = random_case(7, 16, 3, 3, 64, max_context=5)
@@ -115,14 +133,15 @@ def test_reference_forced_by_environment(monkeypatch):
 
 
 @needs_gpu
-def test_greedy_output_same_with_kernel_and_reference(loaded_model, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_greedy_output_same_with_kernel_and_reference(loaded_model, monkeypatch, kv_dtype):
     cases = json.loads((Path(__file__).parent / "fixtures" / "smollm2_transformers_reference.json").read_text())
     prompts = [c["prompt_ids"] for c in cases["cases"]]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
     def generate(path: str) -> tuple[str, dict[str, list[int]]]:
         monkeypatch.setenv("EDGESERVE_ATTENTION", path)
-        engine = LLMEngine(loaded_model, backend="mlx", kv_memory="256MiB")
+        engine = LLMEngine(loaded_model, backend="mlx", kv_memory="256MiB", kv_dtype=kv_dtype)
         for i, ids in enumerate(prompts):
             engine.add_request(ids, params, f"r{i}")
         done = engine.run_to_completion()

@@ -2,9 +2,10 @@
 mx.fast.metal_kernel writes, compiled against a C++ shim with SIMD groups in lock-step, through
 the same host code as on a Mac, against the plain-MLX reference; and bugs planted in the body
 (a wrong merge bound, a missing barrier, an off-by-one partition end, a lane that skips a
-shuffle or a barrier, a constant buffer used as a device one) are caught. The CUDA twins, run
-the same way, give the same bits. Also: the checked-in Metal and CUDA sources are what their
-templates give, and the instantiations for a compile check on a Mac."""
+shuffle or a barrier, a constant buffer used as a device one, a wrong int8 scale) are caught.
+The CUDA twins, run the same way, give the same bits. Both read int8 pools too. Also: the
+checked-in Metal and CUDA sources are what their templates give, and the instantiations for a
+compile check on a Mac."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sys
 
 import pytest
 
+from edgeserve.backends import kv_formats
 from edgeserve.metal import codegen
 from paged_cases import TOLERANCE, decode_only, random_case
 
@@ -48,13 +50,16 @@ def test_every_macro_is_expanded(template, target):
     assert ("simd_shuffle_xor" in text or "threadgroup_position_in_grid" in text) == (target == "metal")
 
 
-def case(dtype: str, block_size: int, n_kv: int, group: int, head_dim: int, decode: bool):
-    """A ragged batch of decode rows and prefill chunks (or its decode rows alone), contexts up to 300."""
+def case(dtype: str, block_size: int, n_kv: int, group: int, head_dim: int, decode: bool, int8_pool: bool = False):
+    """A ragged batch of decode rows and prefill chunks (or its decode rows alone), contexts up to 300; the
+    pool in q's dtype, or in kv_formats' int8 heads."""
     batch, q, k, v = random_case(block_size * 100 + group * 10 + head_dim, block_size, n_kv, group, head_dim,
                                  max_context=300, long_chunk=(200, 24))
     if decode:
         batch, q = decode_only(batch, q)
     dt = getattr(mx, dtype)
+    if int8_pool:
+        return batch, mx.array(q).astype(dt), *(mx.array(kv_formats.store(a, "int8")) for a in (k, v))
     return batch, *(mx.array(a).astype(dt) for a in (q, k, v))
 
 
@@ -72,7 +77,9 @@ def emulate(batch, q, k, v, plant: dict[str, tuple[str, str]] | None = None, lan
 
 
 def max_error(batch, q, k, v, got: mx.array) -> float:
-    want = reference_paged_attention(*(a.astype(mx.float32) for a in (q, k, v)), prepare_reference(batch))
+    """Against the reference in float32 (which reads an int8 pool as it is)."""
+    k, v = (a if a.dtype == mx.int8 else a.astype(mx.float32) for a in (k, v))
+    want = reference_paged_attention(q.astype(mx.float32), k, v, prepare_reference(batch))
     return mx.abs(got.astype(mx.float32) - want).max().item()
 
 
@@ -109,6 +116,26 @@ def test_emulated_cuda_twin_gives_the_metal_bits(dtype, block_size, n_kv, group,
     assert max_error(batch, q, k, v, cuda) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize(
+    "dtype,block_size,n_kv,group,head_dim,decode",
+    [
+        ("float32", 16, 3, 3, 64, False),  # a scale per head
+        ("float16", 16, 1, 4, 256, False),  # four scales per head
+        ("bfloat16", 8, 2, 8, 128, True),
+    ],
+)
+def test_emulated_kernels_read_an_int8_pool(dtype, block_size, n_kv, group, head_dim, decode):
+    """int8 K/V with their float16 scales, dequantized in registers: the Metal kernel against the reference
+    reading the same pool, and its CUDA twin to the same bits."""
+    batch, q, k, v = case(dtype, block_size, n_kv, group, head_dim, decode, int8_pool=True)
+    assert k.dtype == mx.int8 and k.shape[-1] == kv_formats.kv_head_bytes("int8", head_dim)
+    got = emulate(batch, q, k, v)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    diff = max_error(batch, q, k, v, got)
+    assert diff <= TOLERANCE[dtype], f"max abs diff {diff} over {TOLERANCE[dtype]}"
+    assert mx.array_equal(emulate(batch, q, k, v, language="cuda"), got)
+
+
 def test_small_inputs_bound_in_constant_memory():
     """Fewer than 8 rows: row_seq, row_len and the block tables are `constant` buffers, as on a Mac."""
     batch, q, k, v = random_case(7, 16, 3, 3, 64, max_context=5, long_chunk=(4, 2))
@@ -118,7 +145,8 @@ def test_small_inputs_bound_in_constant_memory():
     partition, _ = make_kernels(metal_kernel, "metal")
     source = partition.generated_source(
         [q, k, v, meta.block_tables, meta.row_seq, meta.row_len], [mx.float32] * 3,
-        [("T", mx.float16), ("HEAD_DIM", 64), ("GROUP", 3), ("N_KV", 3), ("BLOCK_SIZE", 16), ("PART", 64)],
+        [("T", mx.float16), ("HEAD_DIM", 64), ("GROUP", 3), ("N_KV", 3), ("BLOCK_SIZE", 16), ("PART", 64),
+         ("KV_SCALES", 0)],
     )
     for name in ("block_tables", "row_seq", "row_len"):
         assert f"const constant int32_t* {name} [[buffer(" in source
@@ -143,6 +171,14 @@ def test_planted_bug_gives_wrong_results(bug):
     batch, q, k, v = case("float32", 16, 3, 3, 64, decode=True)
     diff = max_error(batch, q, k, v, emulate(batch, q, k, v, {name: (text, replacement)}))
     assert not diff <= TOLERANCE["float32"], f"{bug}: max abs diff {diff} passes"  # NaN fails too
+
+
+def test_planted_int8_scale_bug_gives_wrong_results():
+    """Every lane taking its head's first scale: right where a head has one scale, wrong where it has four."""
+    plant = {"edgeserve_paged_attention": ("2 * (dim0 * KV_SCALES / HEAD_DIM)", "0")}
+    batch, q, k, v = case("float32", 16, 1, 4, 256, decode=True, int8_pool=True)
+    diff = max_error(batch, q, k, v, emulate(batch, q, k, v, plant))
+    assert not diff <= TOLERANCE["float32"], f"max abs diff {diff} passes"
 
 
 DIVERGENT = {
@@ -181,9 +217,11 @@ def test_instantiations_for_a_compile_check_on_a_mac(tmp_path):
     assert instantiations.main([str(tmp_path)]) == 0
     files = {f.name: f.read_text() for f in tmp_path.glob("*.metal")}
     partitions = [text for name, text in files.items() if "_reduce_" not in name]
-    assert len(partitions) == 2 * 3 * 8  # address spaces x dtypes x (head dims x groups that fit)
+    # address spaces x dtypes x (a pool of the dtype, an int8 pool) x (head dims x groups that fit)
+    assert len(partitions) == 2 * 3 * 2 * 8
     assert len(files) - len(partitions) == 2 * 3 * 3
-    assert sum("const constant int32_t* block_tables" in text for text in partitions) == 3 * 8
+    assert sum("const constant int32_t* block_tables" in text for text in partitions) == 3 * 2 * 8
+    assert sum("const device int8_t* k_cache" in text for text in partitions) == 2 * 3 * 8
     for dtype in ("float", "float16_t", "bfloat16_t"):
         for head_dim in (64, 128, 256):
             assert any(f"<{dtype}, {head_dim}, 4, " in text for text in partitions)

@@ -1,19 +1,30 @@
 """The MLX backend against the NumPy backend on the real model: prompt logits, greedy output, and
-batch invariance (MLX on the CPU in CI, so generations stay short)."""
+batch invariance (MLX on the CPU in CI, so generations stay short). Its KV pools in other dtypes:
+int8 heads written to kv_formats' bits and read back as kv_formats.load reads them, and float16
+and int8 pools giving the NumPy backend's answers on the tiny model."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
+from edgeserve.backends import kv_formats
+from edgeserve.engine.kv_budget import kv_bytes_per_token
 from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import SamplingParams
 from mlx_parity import LOGITS_TOLERANCE, assert_same_up_to_near_tie
+from paged_cases import random_case
 
-pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]'): MLX backend not tested")
+mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]'): MLX backend not tested")
+
+from edgeserve.backends.mlx_backend import MLXBackend  # noqa: E402
+from edgeserve.metal.reference import prepare_reference, reference_paged_attention  # noqa: E402
 
 CASES = json.loads((Path(__file__).parent / "fixtures" / "smollm2_transformers_reference.json").read_text())["cases"]
 PROMPTS = [case["prompt_ids"] for case in CASES]
@@ -84,3 +95,83 @@ def test_batch_invariance(loaded_model, numpy_engine, mlx_alone):
     assert_same_up_to_near_tie(numpy_engine, PROMPTS[0], tokens["target"], mlx_alone)
     bm = engine.block_manager
     assert bm.num_used == 0 and bm.num_free == bm.num_blocks
+
+
+# KV pools in other dtypes ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mlx_on_cpu():
+    """MLX on the CPU for one test, where its activations are float32 whatever the machine has."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
+
+
+@pytest.mark.parametrize("head_dim", [64, 256, 48, 16])
+def test_int8_write_gives_the_numpy_bits(head_dim):
+    """write_kv quantizes on the device to kv_formats.store's bytes, scales included, at the step's slots;
+    read_blocks gives them back in the NumPy pool's layout."""
+    rng = np.random.default_rng(head_dim)
+    x = (rng.standard_normal((300, 3, head_dim)) * rng.uniform(0.001, 80, (300, 3, 1))).astype(np.float32)
+    x[7, 1] = 0  # a head of zeros: scale 0, values 0
+    be = MLXBackend("int8")
+    pool = be.allocate_kv(40, 16, 3, head_dim)
+    assert pool.dtype == mx.int8 and pool.shape == kv_formats.allocate("int8", 40, 16, 3, head_dim).shape
+    slots = rng.permutation(40 * 16)[:300]
+    meta = SimpleNamespace(slot_blocks=mx.array(slots // 16), slot_offsets=mx.array(slots % 16))
+    pool = be.write_kv(pool, mx.array(x), meta)
+    be.to_numpy(mx.zeros(1))  # evaluates the step's pool writes
+    blocks = be.read_blocks(pool, list(range(40)))
+    assert blocks.dtype == np.int8
+    np.testing.assert_array_equal(blocks.reshape(-1, 3, pool.shape[-1])[slots], kv_formats.store(x, "int8"))
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (256, 4), (16, 2)])
+def test_reference_reads_int8_as_kv_formats_loads(head_dim, group):
+    """The plain-MLX attention on an int8 pool gives what it gives on kv_formats.load of that pool in float32."""
+    batch, q, k, v = random_case(head_dim, 16, 2, group, head_dim, max_context=100, long_chunk=(60, 20))
+    k8, v8 = kv_formats.store(k, "int8"), kv_formats.store(v, "int8")
+    meta = prepare_reference(batch)
+    got = reference_paged_attention(mx.array(q), mx.array(k8), mx.array(v8), meta)
+    want = reference_paged_attention(mx.array(q), *(mx.array(kv_formats.load(a, head_dim)) for a in (k8, v8)), meta)
+    assert got.dtype == mx.float32
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-6, rtol=0)
+    assert not np.allclose(np.array(got), np.array(reference_paged_attention(*map(mx.array, (q, k, v)), meta)),
+                           atol=1e-4), "int8 rounding should show"
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8"])
+def test_the_tiny_model_matches_numpy_on_the_same_pool_dtype(mlx_on_cpu, tiny_model, kv_dtype):
+    """The tiny model with an MLX pool of kv_dtype: the NumPy backend's greedy tokens on its pool of that
+    dtype, and its prompt logits, far closer than either to the float32 pool's; the pool takes the bytes
+    --kv-memory was sized for."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ids = [int(t) for t in np.random.default_rng(1).integers(3, 90, 40)]
+    engines = {(backend, dtype): LLMEngine(tiny_model, backend=backend, kv_memory="1MiB", kv_dtype=dtype)
+               for backend in ("numpy", "mlx") for dtype in (kv_dtype, "float32")}
+    logits = {key: engine.prompt_logits(ids) for key, engine in engines.items()}
+    assert np.abs(logits["mlx", kv_dtype] - logits["numpy", kv_dtype]).max() <= 5e-4
+    assert np.abs(logits["mlx", kv_dtype] - logits["mlx", "float32"]).max() >= 1e-3  # the pool's rounding shows
+    tokens = {}
+    for backend in ("numpy", "mlx"):
+        rid = engines[backend, kv_dtype].add_request(ids, params)
+        tokens[backend] = engines[backend, kv_dtype].run_to_completion()[rid].token_ids
+    assert_same_up_to_near_tie(engines["numpy", kv_dtype], ids, tokens["mlx"], tokens["numpy"])
+    engine = engines["mlx", kv_dtype]
+    assert engine.backend.kv_dtype == kv_dtype and engine.runner.kv.k[0].dtype == getattr(mx, kv_dtype)
+    assert engine.pool_size.bytes_per_token == kv_bytes_per_token(tiny_model.args, kv_dtype)
+    assert sum(a.nbytes for a in engine.runner.kv.k + engine.runner.kv.v) == engine.pool_size.bytes
+
+
+def test_kv_dtype_choices(mlx_on_cpu, monkeypatch):
+    assert MLXBackend("auto").kv_dtype == "float32"  # on the CPU, as its activations
+    assert MLXBackend("float16").kv_dtype == "float16"
+    with pytest.raises(EdgeserveError, match="int4"):
+        MLXBackend("int4")
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert MLXBackend("auto").kv_dtype == "float16"
+    assert MLXBackend("int8").kv_dtype == "int8"
+    with pytest.raises(EdgeserveError, match="twice the memory"):
+        MLXBackend("float32")

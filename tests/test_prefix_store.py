@@ -183,10 +183,11 @@ def test_an_evicted_prefix_comes_back_from_a_tier(tiny_model, tmp_path, tier, kv
     engine.close()
 
 
-def test_the_mlx_pool_loads_from_the_ram_tier(tiny_model, tmp_path):
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_the_mlx_pool_loads_from_the_ram_tier(tiny_model, tmp_path, kv_dtype):
     pytest.importorskip("mlx.core")
-    cold = generate(tiny_engine(tiny_model, backend="mlx", enable_prefix_caching=False), prompt(0))
-    engine = tiny_engine(tiny_model, tmp_path, backend="mlx", prefix_cache_ram="1MiB")
+    cold = generate(tiny_engine(tiny_model, backend="mlx", kv_dtype=kv_dtype, enable_prefix_caching=False), prompt(0))
+    engine = tiny_engine(tiny_model, tmp_path, backend="mlx", kv_dtype=kv_dtype, prefix_cache_ram="1MiB")
     assert generate(engine, prompt(0)) == cold
     generate(engine, prompt(1, 150))
     assert generate(engine, prompt(0)) == cold

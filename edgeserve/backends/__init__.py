@@ -57,8 +57,8 @@ def get_backend(name: str = "auto", weights: str = "auto", model: HasWeights | N
     `choose_weights_mode` (float32 when no model is given).
     MLX keeps weights quantized whatever the mode. threads: the NumPy kernels' CPU threads (None: every core);
     activations: their activation integers, "int8" or "int16" (None: `qmatmul`'s default). kv_dtype:
-    the KV pool's element type, one of KV_DTYPES or "auto" (MLX: its activations' dtype, the only one it
-    takes; NumPy: DEFAULT_CPU_KV_DTYPE).
+    the KV pool's element type, one of KV_DTYPES or "auto" (MLX: its activations' dtype; NumPy:
+    DEFAULT_CPU_KV_DTYPE).
     """
     if name not in BACKENDS:
         raise EdgeserveError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")

@@ -1,11 +1,12 @@
-"""The NumPy backend's KV pool element types: float32, float16, and int8 with a scale per token, KV head and 64 dims.
+"""The KV pool element types: float32, float16, and int8 with a scale per token, KV head and 64 dims.
 
 A pool is [blocks, block_size, n_kv_heads, head] per layer. float32 and float16 heads are head_dim
 values; an int8 head is head_dim int8 values followed by the float16 scales s = max|x| / 127 of each
 group of `int8_kv_group` of them (values x / s rounded to nearest even), so a block carries its own
 scales and whatever moves blocks (copy-on-write, prefix caching, preemption) moves them too. The C
-kernels (_cpu_ops.c) read and write the same layout to the same bits; these functions are its NumPy
-reference, used where the kernels do not run.
+kernels (_cpu_ops.c) and the MLX backend (its write, its reference attention and the Metal and CUDA
+kernels) read and write the same layout to the same bits; these functions are its NumPy reference,
+used where the C kernels do not run.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """The MLX backend: quantized weights stay quantized, GEMMs and attention run lazily on MLX's device.
 
 A whole step builds one lazy graph (embedding, every layer's K/V writes into the pool, attention,
-logits); `to_numpy` evaluates it once. Activations and the KV pool are float16 on a GPU and
-float32 on the CPU, where MLX has no fast half-precision arithmetic.
+logits); `to_numpy` evaluates it once. Activations are float16 on a GPU and float32 on the CPU,
+where MLX has no fast half-precision arithmetic; the KV pool holds the activations' dtype unless
+--kv-dtype asks for float16 or for `kv_formats`' int8 heads (quantized on the device as they are
+written, to the bits of the NumPy backend's).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from edgeserve.backends.kv_formats import int8_kv_group, kv_head_bytes
 from edgeserve.backends.mlx_blocks import CompiledBlocks, rope_rows
 from edgeserve.batch import Batch
 from edgeserve.errors import EdgeserveError
@@ -78,6 +81,9 @@ class MLXMeta:
     attention: Any  # the active attention path's own per-step arrays
 
 
+_POOL_DTYPES = {"float32": mx.float32, "float16": mx.float16, "int8": mx.int8}
+
+
 class MLXBackend:
     name = "mlx"
     samples_on_device = True
@@ -86,10 +92,12 @@ class MLXBackend:
         on_gpu = mx.default_device().type == mx.DeviceType.gpu
         self.computes_async = on_gpu  # MLX on the CPU computes as a step is launched
         self.dtype = mx.float16 if on_gpu else mx.float32
-        self.kv_dtype = "float16" if on_gpu else "float32"
-        if kv_dtype not in ("auto", self.kv_dtype):
-            raise EdgeserveError(f"--kv-dtype {kv_dtype} runs on the numpy backend; the mlx backend keeps K/V in "
-                                 f"its activations' dtype ({self.kv_dtype} here)")
+        self.kv_dtype = ("float16" if on_gpu else "float32") if kv_dtype == "auto" else kv_dtype
+        if self.kv_dtype not in _POOL_DTYPES:
+            raise EdgeserveError(f"unknown KV dtype {kv_dtype!r} (choose from auto, {', '.join(_POOL_DTYPES)})")
+        if on_gpu and self.kv_dtype == "float32":
+            raise EdgeserveError("--kv-dtype float32: on a GPU the mlx backend computes K/V in float16, so a float32 "
+                                 "pool would hold the same values in twice the memory; use float16 or int8")
         self.attention = select_attention()
         self._written: list[mx.array] = []  # this step's pool arrays, evaluated with its logits
 
@@ -210,12 +218,15 @@ class MLXBackend:
     # the KV pool --------------------------------------------------------------
 
     def allocate_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> mx.array:
-        return mx.zeros((num_blocks, block_size, n_kv_heads, head_dim), dtype=self.dtype)
+        dtype = _POOL_DTYPES[self.kv_dtype]
+        return mx.zeros((num_blocks, block_size, n_kv_heads, kv_head_bytes(self.kv_dtype, head_dim) // dtype.size),
+                        dtype=dtype)
 
     def write_kv(self, cache: mx.array, values: mx.array, meta: MLXMeta) -> mx.array:
         # Indexing the 4-D pool directly (no reshape) leaves the scatter's input unshared, so MLX
         # updates the pool's buffer in place instead of copying it.
-        cache[meta.slot_blocks, meta.slot_offsets] = values.astype(cache.dtype)
+        heads = store_int8(values) if cache.dtype == mx.int8 else values.astype(cache.dtype)
+        cache[meta.slot_blocks, meta.slot_offsets] = heads
         self._written.append(cache)
         return cache
 
@@ -255,6 +266,20 @@ class MLXBackend:
     def paged_attention(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: MLXMeta,
                         window: int | None = None) -> mx.array:
         return self.attention.run(q, k_cache, v_cache, meta.attention, window)
+
+
+def store_int8(values: mx.array) -> mx.array:
+    """Heads [..., head_dim] as int8 pool heads, to the bits of kv_formats.store: each group's values times
+    the reciprocal of its float16 scale max|x| / 127, rounded half to even, then the scales' bytes."""
+    x = values.astype(mx.float32)
+    head_dim = x.shape[-1]
+    group = int8_kv_group(head_dim)
+    groups = x.reshape(*x.shape[:-1], head_dim // group, group)
+    scale = (mx.abs(groups).max(axis=-1, keepdims=True) / 127).astype(mx.float16)
+    wide = scale.astype(mx.float32)
+    inv = mx.where(wide > 0, 1 / wide, 0)  # a group of zeros has scale 0 and values 0
+    q = mx.clip(mx.round(groups * inv), -127, 127).astype(mx.int8).reshape(x.shape)
+    return mx.concatenate([q, scale[..., 0].view(mx.int8)], axis=-1)
 
 
 def _mlx_form(w: Any) -> Any:
