@@ -65,15 +65,11 @@ class BenchResult:
 
 
 def _text_token_ids(tokenizer: Tokenizer) -> np.ndarray:
-    """Ids of ordinary word-like tokens, so random prompts decode and re-encode to similar lengths."""
-    ids = []
-    for i in range(min(tokenizer.vocab_size, 20000)):
-        if tokenizer.is_special(i):
-            continue
-        piece = tokenizer.decode([i])
-        if piece.startswith(" ") and piece[1:].isalpha():
-            ids.append(i)
-    return np.asarray(ids)
+    """Ids of ordinary word-like tokens, so random prompts decode and re-encode to similar lengths; every
+    ordinary id where the vocabulary has no words (a character-level one)."""
+    ordinary = [i for i in range(min(tokenizer.vocab_size, 20000)) if not tokenizer.is_special(i)]
+    words = [i for i in ordinary if (piece := tokenizer.decode([i])).startswith(" ") and piece[1:].isalpha()]
+    return np.asarray(words or ordinary)
 
 
 def random_prompts(tokenizer: Tokenizer, lengths: list[int], rng: np.random.Generator) -> list[list[int]]:
