@@ -171,6 +171,17 @@ def impl(request):
         yield name
 
 
+@pytest.fixture
+def mlx_on_cpu():
+    """MLX on the CPU for one test, where its activations are float32 whatever the machine has."""
+    import mlx.core as mx
+
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     """A tiny random model: engine, scheduler and server tests on it run in milliseconds."""

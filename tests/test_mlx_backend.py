@@ -100,15 +100,6 @@ def test_batch_invariance(loaded_model, numpy_engine, mlx_alone):
 # KV pools in other dtypes ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def mlx_on_cpu():
-    """MLX on the CPU for one test, where its activations are float32 whatever the machine has."""
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(device)
-
-
 @pytest.mark.parametrize("head_dim", [64, 256, 48, 16])
 def test_int8_write_gives_the_numpy_bits(head_dim):
     """write_kv quantizes on the device to kv_formats.store's bytes, scales included, at the step's slots;

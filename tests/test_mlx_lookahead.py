@@ -46,9 +46,10 @@ def generate(engine: LLMEngine, logprobs: int | None) -> dict[int, list[int]]:
     return tokens
 
 
-def test_steps_launched_ahead_give_the_host_sampled_tokens(tiny_model) -> None:
+def test_steps_launched_ahead_give_the_host_sampled_tokens(mlx_on_cpu, tiny_model) -> None:
+    # float32 on the CPU, where greedy ties are rare enough for exact equality, with steps launched ahead as on a GPU
     ahead = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
-    ahead.backend.computes_async = True  # as on a GPU: MLX on the CPU computes as a step is launched
+    ahead.backend.computes_async = True
     host = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
     got = generate(ahead, logprobs=None)
     # logprobs take every row through the host's sampler, and no step is launched early
@@ -62,9 +63,9 @@ def test_steps_launched_ahead_give_the_host_sampled_tokens(tiny_model) -> None:
     assert stats.kv_blocks_used == 0
 
 
-def test_no_step_is_launched_ahead_where_the_device_is_the_host(tiny_model) -> None:
+def test_no_step_is_launched_ahead_where_the_device_is_the_host(mlx_on_cpu, tiny_model) -> None:
     engine = LLMEngine(tiny_model, backend="mlx")
-    assert not engine.backend.computes_async  # mx[cpu] here: nothing would overlap
+    assert not engine.backend.computes_async  # MLX on the CPU computes as a step is launched: nothing would overlap
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     engine.run_to_completion()
     assert engine.stats().steps_launched_ahead == 0
