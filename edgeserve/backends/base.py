@@ -35,8 +35,6 @@ class Backend(Protocol):
     """The operations a backend provides; each returns new arrays unless it says otherwise."""
 
     name: str  # "numpy", "mlx"
-    # whether the backend can take greedy tokens on its device (greedy, launch, fetch_tokens)
-    samples_on_device: bool
     # whether launched work runs while the host goes on (a GPU), so that launching a step early pays
     computes_async: bool
     kv_dtype: str  # the KV pool's element type, one of KV_DTYPES: "float32", "float16" or "int8"
@@ -126,8 +124,6 @@ class Backend(Protocol):
     def to_numpy(self, x: Array) -> np.ndarray:
         """Evaluate the step (pool writes included) and return x as float32 NumPy."""
         ...
-
-    # backends with samples_on_device only
 
     def greedy(self, logits: Array) -> Array:
         """Each row's likeliest token, left on the device."""

@@ -86,7 +86,6 @@ _POOL_DTYPES = {"float32": mx.float32, "float16": mx.float16, "int8": mx.int8}
 
 class MLXBackend:
     name = "mlx"
-    samples_on_device = True
 
     def __init__(self, kv_dtype: str = "auto") -> None:
         on_gpu = mx.default_device().type == mx.DeviceType.gpu

@@ -105,7 +105,6 @@ class NumpyMeta:
 
 class NumpyBackend:
     name = "numpy"
-    samples_on_device = False
     computes_async = False
 
     def __init__(self, weights: str = "float32", threads: int | None = None, activations: str | None = None,
@@ -303,6 +302,15 @@ class NumpyBackend:
 
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
         return x
+
+    def greedy(self, logits: np.ndarray) -> np.ndarray:
+        return np.argmax(logits, axis=-1)
+
+    def launch(self, tokens: np.ndarray) -> None:
+        return None  # computed already: the NumPy backend computes as the step's graph is built
+
+    def fetch_tokens(self, tokens: np.ndarray) -> list[int]:
+        return tokens.tolist()
 
     def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: NumpyMeta,
                         window: int | None = None) -> np.ndarray:

@@ -296,8 +296,6 @@ class LLMEngine:
     def _greedy_on_device(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether the step's sampling rows can all take their likeliest token on the backend's device: greedy,
         with no penalty, bias, grammar, logprobs or draft to apply on the host."""
-        if not self.backend.samples_on_device:
-            return False
         return all(not item.draft and not (item.samples and (
             needs_processing(item.seq) or item.seq.params.logprobs is not None
             or self.constraints.constrains(item.seq.request_id))) for item in scheduled)
@@ -313,6 +311,7 @@ class LLMEngine:
         can do only once nothing else in flight still uses it (else each write would copy the whole pool)."""
         sampling = [item.seq for item in scheduled if item.samples]
         ahead, self._ahead = self._ahead, None
+        start = None  # when this step was launched, for its model time
         if ahead is not None and ahead.matches(scheduled) and not self.block_manager.has_pending_moves():
             tokens = ahead.tokens
             self._stats.steps_launched_ahead += 1
@@ -322,6 +321,7 @@ class LLMEngine:
             copies = self.block_manager.take_pending_copies()
             if copies:
                 self.runner.copy_blocks(copies)
+            start = time.perf_counter()
             tokens = self.runner.greedy_tokens(scheduled, profile=self.profile)
             self.backend.launch(tokens)
             self.profile.lap("eval")  # a backend computing on the host (MLX on the CPU) computes here
@@ -330,6 +330,8 @@ class LLMEngine:
             self._ahead = self._build_ahead(sampling, tokens)
         sampled = self.backend.fetch_tokens(tokens)
         self.profile.lap("eval")
+        if start is not None:  # what a step of so many rows costs on this machine decides how long drafts pay
+            self.speculator.observe(sum(item.num_new_tokens for item in scheduled), time.perf_counter() - start)
         if self._ahead is not None:
             self.backend.launch(self._ahead.tokens)
             self.profile.lap("eval")

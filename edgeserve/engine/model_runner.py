@@ -66,8 +66,8 @@ class ModelRunner:
 
     def greedy_tokens(self, scheduled: list[ScheduledSeq], device_tokens: Any = None,
                       profile: StepProfile | None = None) -> Any:
-        """The step's sampling rows' likeliest tokens, not yet computed (a backend with samples_on_device: its
-        `launch` starts them); device_tokens: the step's input tokens, where those are still on the device."""
+        """The step's sampling rows' likeliest tokens, maybe not yet computed (the backend's `launch` starts them);
+        device_tokens: the step's input tokens, where those are still on the device."""
         batch = self.build_batch(scheduled, device_tokens)
         if profile:
             profile.lap("batch")
