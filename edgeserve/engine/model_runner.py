@@ -31,31 +31,32 @@ class ModelRunner:
     def build_batch(self, scheduled: list[ScheduledSeq], device_tokens: Any = None) -> Batch:
         """The step's rows; device_tokens: their token ids where those are still on the device."""
         bs = self.block_size
-        tokens, positions, slots, lens, tables, sample_rows = [], [], [], [], [], []
-        starts = [0]
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        lens, sample_rows, starts = [], [], [0]
+        # plain Python per row: a decode step's rows are one token each, where NumPy's per-call cost would
+        # be most of the work
         for item in scheduled:
-            seq, n = item.seq, item.num_new_tokens
+            seq, n, table = item.seq, item.num_new_tokens, item.seq.block_table
             first = item.first_position
-            pos = np.arange(first, first + n)
-            table = np.asarray(seq.block_table, dtype=np.int64)
             if device_tokens is None:
-                tokens.append(seq.token_ids[first : first + n - len(item.draft)] + item.draft)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+                tokens += seq.token_ids[first : first + n - len(item.draft)]
+                tokens += item.draft
+            rows = range(first, first + n)
+            positions += rows
+            slots += [table[p // bs] * bs + p % bs for p in rows]
             lens.append(first + n)
-            tables.append(table)
             starts.append(starts[-1] + n)
             if item.samples:  # a draft's check needs every row's logits: what follows each guess
                 sample_rows.extend(range(starts[-1] - 1 - len(item.draft), starts[-1]))
-        width = max(len(t) for t in tables)
-        block_tables = np.zeros((len(tables), width), dtype=np.int64)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
+        width = max(len(item.seq.block_table) for item in scheduled)
+        block_tables = np.array([item.seq.block_table + [0] * (width - len(item.seq.block_table))
+                                 for item in scheduled], dtype=np.int64)
         return Batch(
-            token_ids=np.fromiter((t for chunk in tokens for t in chunk), dtype=np.int64, count=starts[-1])
-            if device_tokens is None else np.zeros(starts[-1], np.int64),
-            positions=np.concatenate(positions),
-            slot_mapping=np.concatenate(slots),
+            token_ids=np.array(tokens, dtype=np.int64) if device_tokens is None else np.zeros(starts[-1], np.int64),
+            positions=np.array(positions, dtype=np.int64),
+            slot_mapping=np.array(slots, dtype=np.int64),
             query_start=np.asarray(starts, dtype=np.int64),
             context_lens=np.asarray(lens, dtype=np.int64),
             block_tables=block_tables,
