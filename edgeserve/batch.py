@@ -9,6 +9,19 @@ import numpy as np
 
 
 @dataclass
+class SamplingRows:
+    """How each sampling row of a step draws its token on the device: temperature 0 takes the likeliest;
+    otherwise temperature, then top-k (0: off), min-p and top-p (1: off) as the host's sampler applies them, and
+    a draw at `uniform` (a number in [0, 1) from the request's own generator) of the cumulative probabilities."""
+
+    temperature: np.ndarray  # [S] float
+    top_k: np.ndarray  # [S] int
+    top_p: np.ndarray  # [S] float
+    min_p: np.ndarray  # [S] float
+    uniform: np.ndarray  # [S] float
+
+
+@dataclass
 class Batch:
     """Flat token rows of several sequences, with what paged attention needs to find their K/V.
 

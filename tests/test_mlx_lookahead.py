@@ -1,5 +1,6 @@
-"""The MLX backend's greedy steps: tokens taken on the device, the next decode launched before the host has the
-step's tokens (taken when the scheduler asks for exactly it, dropped otherwise), and the per-step profile."""
+"""The MLX backend's device steps: tokens taken (greedy) or drawn (sampled) on the device, the next decode launched
+before the host has the step's tokens (taken when the scheduler asks for exactly it, dropped otherwise), and the
+per-step profile."""
 
 from __future__ import annotations
 
@@ -16,23 +17,26 @@ pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edges
 SMALL_POOL = 10 * 8192
 
 
-def requests(logprobs: int | None) -> list[tuple[int, list[int], SamplingParams]]:
-    """(step it arrives before, prompt, params): prompts and lengths that end at different steps, a stop string."""
+def requests(logprobs: int | None, sampled: bool) -> list[tuple[int, list[int], SamplingParams]]:
+    """(step it arrives before, prompt, params): prompts and lengths that end at different steps, a stop string;
+    sampled: seeded draws at a temperature, some with top-k, top-p and min-p."""
     out = []
     for i in range(10):
         prompt = [(7 * i + 3 * j) % 90 + 5 for j in range(3 + 4 * i)]
-        params = SamplingParams(max_tokens=6 + 5 * (i % 5), temperature=0.0, ignore_eos=i % 3 != 0,
-                                stop=["}~"] if i == 4 else [], logprobs=logprobs)
+        draws = dict(temperature=0.9, seed=i, top_k=30 * (i % 2), top_p=0.95 if i % 3 else 1.0,
+                     min_p=0.01 * (i % 2)) if sampled else dict(temperature=0.0)
+        params = SamplingParams(max_tokens=6 + 5 * (i % 5), ignore_eos=i % 3 != 0, stop=["}~"] if i == 4 else [],
+                                logprobs=logprobs, **draws)
         out.append((0 if i < 6 else 7, prompt, params))
     return out
 
 
-def generate(engine: LLMEngine, logprobs: int | None) -> dict[int, list[int]]:
+def generate(engine: LLMEngine, logprobs: int | None, sampled: bool) -> dict[int, list[int]]:
     """Each request's tokens, by its index; request 8 is aborted before step 10."""
     ids: dict[str, int] = {}
     tokens: dict[int, list[int]] = {}
     step = 0
-    pending = requests(logprobs)
+    pending = requests(logprobs, sampled)
     while pending or engine.has_unfinished():
         for i, (arrive, prompt, params) in enumerate(pending):
             if arrive <= step:
@@ -46,14 +50,18 @@ def generate(engine: LLMEngine, logprobs: int | None) -> dict[int, list[int]]:
     return tokens
 
 
-def test_steps_launched_ahead_give_the_host_sampled_tokens(mlx_on_cpu, tiny_model) -> None:
-    # float32 on the CPU, where greedy ties are rare enough for exact equality, with steps launched ahead as on a GPU
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_steps_launched_ahead_give_the_host_sampled_tokens(mlx_on_cpu, tiny_model, sampled) -> None:
+    """Tokens drawn on the device, with steps launched ahead (as on a GPU) and dropped where requests arrive,
+    end, are aborted or preempted, are the host sampler's: sampled rows take their request's next number in
+    order, and a dropped step gives its numbers back. Float32 on the CPU, where a float tie is rare enough for
+    exact equality."""
     ahead = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
     ahead.backend.computes_async = True
     host = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
-    got = generate(ahead, logprobs=None)
+    got = generate(ahead, logprobs=None, sampled=sampled)
     # logprobs take every row through the host's sampler, and no step is launched early
-    expected = generate(host, logprobs=0)
+    expected = generate(host, logprobs=0, sampled=sampled)
     assert got == expected
     stats = ahead.stats()
     assert stats.steps_launched_ahead > 10
@@ -94,3 +102,34 @@ def test_profile_counts_idle_time_between_steps() -> None:
         # nothing runs between the end of one step and the next begin but this loop
     summary = profile.summary()
     assert summary["steps"] == 2 and summary["idle_s"] > 0
+
+
+# sampling on the device ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.8), dict(temperature=1.3, top_k=40),
+                                      dict(temperature=0.7, top_p=0.9, min_p=0.02)], ids=["plain", "top_k", "top_p"])
+def test_device_draws_are_the_host_samplers_draws(mlx_on_cpu, settings) -> None:
+    import mlx.core as mx
+    import numpy as np
+
+    from edgeserve.backends.mlx_backend import MLXBackend
+    from edgeserve.batch import SamplingRows
+    from edgeserve.engine.sampler import _processed, _weights
+    from edgeserve.engine.sequence import Sequence
+
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal(300).astype(np.float32)
+    seq = Sequence("r", [1], SamplingParams(**settings))
+    probs = _weights(_processed(logits.copy(), seq), seq)
+    cdf = np.cumsum(probs) / probs.sum()
+    uniform = (np.arange(4000) + 0.5) / 4000
+    expected = np.searchsorted(cdf, uniform, side="right")  # the host's draw at each number
+    p = seq.params
+    n = len(uniform)
+    rows = SamplingRows(np.full(n, p.temperature, np.float32), np.full(n, p.top_k), np.full(n, p.top_p, np.float32),
+                        np.full(n, p.min_p, np.float32), uniform)
+    drawn = np.array(MLXBackend().sample(mx.array(np.tile(logits, (n, 1))), rows))
+    assert (drawn == expected).mean() > 0.998  # float32 against float64 sums: a boundary may move by a hair
+    assert set(np.unique(drawn)) <= set(np.flatnonzero(probs > 0))  # nothing the filters removed is ever drawn
+    assert len(np.unique(drawn)) > 5

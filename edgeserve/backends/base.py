@@ -14,7 +14,7 @@ from typing import Any, Protocol, Union, runtime_checkable
 
 import numpy as np
 
-from edgeserve.batch import Batch
+from edgeserve.batch import Batch, SamplingRows
 from edgeserve.quant.affine import QuantizedTensor
 
 Array = Any  # an activation or KV array of the backend (np.ndarray, mx.array)
@@ -125,8 +125,9 @@ class Backend(Protocol):
         """Evaluate the step (pool writes included) and return x as float32 NumPy."""
         ...
 
-    def greedy(self, logits: Array) -> Array:
-        """Each row's likeliest token, left on the device."""
+    def sample(self, logits: Array, rows: SamplingRows | None) -> Array:
+        """Each row's token, left on the device: the likeliest where rows is None; backends with computes_async
+        draw by `rows` (the others are given None)."""
         ...
 
     def launch(self, tokens: Array) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from edgeserve.backends.kv_formats import int8_kv_group, kv_head_bytes
 from edgeserve.backends.mlx_blocks import CompiledBlocks, rope_rows
-from edgeserve.batch import Batch
+from edgeserve.batch import Batch, SamplingRows
 from edgeserve.errors import EdgeserveError
 from edgeserve.metal import select_attention
 from edgeserve.quant.affine import QuantizedTensor
@@ -250,10 +250,13 @@ class MLXBackend:
         self._written = []
         return np.array(x)
 
-    def greedy(self, logits: mx.array) -> mx.array:
+    def sample(self, logits: mx.array, rows: SamplingRows | None) -> mx.array:
         if logits.size == 0:  # a step of prefill chunks that sample nothing; MLX's argmax rejects empty rows
             return mx.zeros((logits.shape[0],), dtype=mx.int32)
-        return mx.argmax(logits, axis=-1).astype(mx.int32)
+        greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
+        if rows is None or not rows.temperature.any():
+            return greedy
+        return mx.where(mx.array(rows.temperature == 0), greedy, _draw(logits, rows))
 
     def launch(self, tokens: mx.array) -> None:
         mx.async_eval(tokens, *self._written)
@@ -279,6 +282,32 @@ def store_int8(values: mx.array) -> mx.array:
     inv = mx.where(wide > 0, 1 / wide, 0)  # a group of zeros has scale 0 and values 0
     q = mx.clip(mx.round(groups * inv), -127, 127).astype(mx.int8).reshape(x.shape)
     return mx.concatenate([q, scale[..., 0].view(mx.int8)], axis=-1)
+
+
+def _draw(logits: mx.array, rows: SamplingRows) -> mx.array:
+    """Each row's token drawn as the host's sampler draws it (engine/sampler.py: temperature, top-k, min-p, top-p,
+    then the first token whose cumulative probability passes the row's uniform number), in float32."""
+    vocab = logits.shape[1]
+    x = logits.astype(mx.float32) / mx.array(np.where(rows.temperature > 0, rows.temperature, 1.0), mx.float32)[:, None]
+    if ((rows.top_k > 0) & (rows.top_k < vocab)).any():
+        k = np.where((rows.top_k > 0) & (rows.top_k < vocab), rows.top_k, vocab)
+        kth = mx.take_along_axis(mx.sort(x, axis=-1), mx.array(vocab - k, mx.int32)[:, None], axis=-1)
+        x = mx.where(x < kth, -mx.inf, x)
+    probs = mx.exp(x - x.max(axis=-1, keepdims=True))
+    if (rows.min_p > 0).any():
+        probs = mx.where(probs < mx.array(rows.min_p, mx.float32)[:, None] * probs.max(axis=-1, keepdims=True), 0.0,
+                         probs)
+    if (rows.top_p < 1).any():
+        # the smallest set of likeliest tokens reaching top_p of the total: all as likely as the one that reaches it
+        ranked = -mx.sort(-probs, axis=-1)
+        reached = mx.cumsum(ranked, axis=-1)
+        target = mx.array(rows.top_p, mx.float32)[:, None] * reached[:, -1:]
+        reaching = mx.minimum(mx.sum(reached < target, axis=-1, keepdims=True), vocab - 1).astype(mx.int32)
+        last = mx.take_along_axis(ranked, reaching, axis=-1)
+        probs = mx.where(mx.array(rows.top_p < 1)[:, None] & (probs < last), 0.0, probs)
+    cdf = mx.cumsum(probs, axis=-1)
+    drawn = mx.sum(cdf <= mx.array(rows.uniform, mx.float32)[:, None] * cdf[:, -1:], axis=-1)
+    return mx.minimum(drawn, vocab - 1).astype(mx.int32)
 
 
 def _mlx_form(w: Any) -> Any:

@@ -31,7 +31,7 @@ from edgeserve.backends import WEIGHT_MODES, cpu_kernels, kv_formats, panel_cach
 from edgeserve.backends.cpu_decoder import CPUDecoder
 from edgeserve.backends.cpu_kernels import compile_now, decode_attention
 from edgeserve.backends.qmatmul import QMatrix
-from edgeserve.batch import Batch
+from edgeserve.batch import Batch, SamplingRows
 from edgeserve.errors import EdgeserveError
 from edgeserve.quant.affine import QuantizedTensor
 from edgeserve.quant.kquants import KQuantTensor
@@ -303,8 +303,8 @@ class NumpyBackend:
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
         return x
 
-    def greedy(self, logits: np.ndarray) -> np.ndarray:
-        return np.argmax(logits, axis=-1)
+    def sample(self, logits: np.ndarray, rows: SamplingRows | None) -> np.ndarray:
+        return np.argmax(logits, axis=-1)  # rows is None: the host computes, so the host's sampler draws
 
     def launch(self, tokens: np.ndarray) -> None:
         return None  # computed already: the NumPy backend computes as the step's graph is built

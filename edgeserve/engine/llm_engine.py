@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from edgeserve.backends import get_backend
+from edgeserve.batch import SamplingRows
 from edgeserve.config import EngineConfig
 from edgeserve.engine.block_manager import BlockManager, blocks_for
 from edgeserve.engine.constraints import Constraints
@@ -20,7 +21,7 @@ from edgeserve.engine.kv_budget import size_pool
 from edgeserve.engine.model_runner import ModelRunner
 from edgeserve.engine.prefix_store import PrefixStore, namespace_key
 from edgeserve.engine.output import Completion, OutputProcessor, RequestOutput, merge_outputs
-from edgeserve.engine.sampler import check_guess, needs_processing, sample, token_logprobs
+from edgeserve.engine.sampler import check_guess, penalizes, sample, token_logprobs
 from edgeserve.engine.scheduler import ScheduledSeq, Scheduler
 from edgeserve.engine.sequence import Sequence
 from edgeserve.engine.speculative import Speculator
@@ -76,7 +77,13 @@ class LaunchedAhead:
 
     seqs: list[Sequence]
     positions: list[int]  # each sequence's row's position
-    tokens: Any  # its sampling rows' likeliest tokens, on the device
+    tokens: Any  # its sampling rows' tokens, on the device
+    generators: list[tuple[Sequence, dict]]  # the state of each drawing sequence's generator before its draw
+
+    def drop(self) -> None:
+        """Give back the draws it took: the step that replaces it draws them again."""
+        for seq, state in self.generators:
+            seq.rng.bit_generator.state = state
 
     def matches(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether the scheduler asks for exactly this step."""
@@ -262,9 +269,9 @@ class LLMEngine:
         if not scheduled:
             return []
         self.profile.lap("schedule")
-        if self._greedy_on_device(scheduled):
-            return self._greedy_step(scheduled)
-        self._ahead = None
+        if self._sampled_on_device(scheduled):
+            return self._device_step(scheduled)
+        self._drop_ahead()
         sampling = [item for item in scheduled if item.samples]
         plain = [item.seq for item in sampling if not item.draft]
         masks = self.constraints.start_masks(plain)  # computed while the model runs
@@ -293,36 +300,61 @@ class LLMEngine:
         self.profile.end("output")
         return outputs
 
-    def _greedy_on_device(self, scheduled: list[ScheduledSeq]) -> bool:
-        """Whether the step's sampling rows can all take their likeliest token on the backend's device: greedy,
-        with no penalty, bias, grammar, logprobs or draft to apply on the host."""
-        return all(not item.draft and not (item.samples and (
-            needs_processing(item.seq) or item.seq.params.logprobs is not None
-            or self.constraints.constrains(item.seq.request_id))) for item in scheduled)
+    def _sampled_on_device(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether the step's sampling rows can all draw their token on the backend's device: none checks a draft
+        or has a penalty, bias, grammar or logprobs to apply on the host; greedy ones anywhere, sampled ones where
+        the device computes apart from the host (`computes_async`: elsewhere the host's sampler is as fast)."""
+        def on_device(seq: Sequence) -> bool:
+            p = seq.params
+            return (not penalizes(seq) and p.logprobs is None and not self.constraints.constrains(seq.request_id)
+                    and (p.greedy or self.backend.computes_async))
 
-    def _greedy_step(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
+        return all(not item.draft and (not item.samples or on_device(item.seq)) for item in scheduled)
+
+    @staticmethod
+    def _sampling_rows(seqs: list[Sequence]) -> SamplingRows | None:
+        """How seqs' rows draw on the device, each sampled one with its generator's next number (as the host's
+        sampler takes it); None where all are greedy."""
+        params = [seq.params for seq in seqs]
+        if all(p.greedy for p in params):
+            return None
+        return SamplingRows(
+            temperature=np.array([0.0 if p.greedy else p.temperature for p in params], np.float32),
+            top_k=np.array([p.top_k for p in params], np.int64),
+            top_p=np.array([p.top_p for p in params], np.float32),
+            min_p=np.array([p.min_p for p in params], np.float32),
+            uniform=np.array([0.0 if p.greedy else seq.rng.random() for seq, p in zip(seqs, params)]))
+
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead.drop()
+            self._ahead = None
+
+    def _device_step(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
         """A step sampled on the device. While the device computes it, the host builds the next step where that
         can only be the same sequences one token on (their tokens this step's samples, still on the device), and
         launches it as soon as this one is done, before this step's outputs are processed; the scheduler's next
         step takes it if it asks for exactly that (nobody finished, joined or drafted), and otherwise it is
-        dropped: its only effect, K/V at the slot after each row's, is written again before anything reads it.
+        dropped: its K/V at the slot after each row's is written again before anything reads it, and the numbers
+        its sampled rows drew go back to their generators.
 
         It is launched only once this step is done because the pool's writes update it in place, which the device
         can do only once nothing else in flight still uses it (else each write would copy the whole pool)."""
         sampling = [item.seq for item in scheduled if item.samples]
-        ahead, self._ahead = self._ahead, None
         start = None  # when this step was launched, for its model time
-        if ahead is not None and ahead.matches(scheduled) and not self.block_manager.has_pending_moves():
-            tokens = ahead.tokens
+        if self._ahead is not None and self._ahead.matches(scheduled) and not self.block_manager.has_pending_moves():
+            tokens = self._ahead.tokens
+            self._ahead = None
             self._stats.steps_launched_ahead += 1
             self.profile.lap("batch")
         else:
+            self._drop_ahead()
             self._move_tiers()
             copies = self.block_manager.take_pending_copies()
             if copies:
                 self.runner.copy_blocks(copies)
             start = time.perf_counter()
-            tokens = self.runner.greedy_tokens(scheduled, profile=self.profile)
+            tokens = self.runner.sampled_tokens(scheduled, self._sampling_rows(sampling), profile=self.profile)
             self.backend.launch(tokens)
             self.profile.lap("eval")  # a backend computing on the host (MLX on the CPU) computes here
         if self.backend.computes_async and len(sampling) == len(scheduled) and all(
@@ -352,8 +384,10 @@ class LLMEngine:
             return None
         self._move_tiers()  # blocks those slots took from the prefix cache: read before the step overwrites them
         items = [ScheduledSeq(seq, 1, ahead=True) for seq in seqs]
-        ahead = self.runner.greedy_tokens(items, device_tokens=tokens, profile=self.profile)
-        return LaunchedAhead(seqs, [item.first_position for item in items], ahead)
+        generators = [(seq, seq.rng.bit_generator.state) for seq in seqs if not seq.params.greedy]
+        ahead = self.runner.sampled_tokens(items, self._sampling_rows(seqs), device_tokens=tokens,
+                                           profile=self.profile)
+        return LaunchedAhead(seqs, [item.first_position for item in items], ahead, generators)
 
     def run_to_completion(self, on_step: Callable[[list[RequestOutput]], None] | None = None
                           ) -> dict[str, Completion]:

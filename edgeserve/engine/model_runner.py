@@ -8,7 +8,7 @@ import numpy as np
 
 from edgeserve.backends.base import Backend
 from edgeserve.backends.kv_pool import KVPool
-from edgeserve.batch import Batch
+from edgeserve.batch import Batch, SamplingRows
 from edgeserve.engine.kv_budget import PoolSize
 from edgeserve.engine.scheduler import ScheduledSeq
 from edgeserve.engine.step_profile import StepProfile
@@ -65,14 +65,15 @@ class ModelRunner:
             device_token_ids=device_tokens,
         )
 
-    def greedy_tokens(self, scheduled: list[ScheduledSeq], device_tokens: Any = None,
-                      profile: StepProfile | None = None) -> Any:
-        """The step's sampling rows' likeliest tokens, maybe not yet computed (the backend's `launch` starts them);
-        device_tokens: the step's input tokens, where those are still on the device."""
+    def sampled_tokens(self, scheduled: list[ScheduledSeq], rows: SamplingRows | None, device_tokens: Any = None,
+                       profile: StepProfile | None = None) -> Any:
+        """The step's sampling rows' tokens, drawn on the backend's device (the likeliest where rows is None),
+        maybe not yet computed (the backend's `launch` starts them); device_tokens: the step's input tokens,
+        where those are still on the device."""
         batch = self.build_batch(scheduled, device_tokens)
         if profile:
             profile.lap("batch")
-        tokens = self.backend.greedy(self.model.forward(batch, self.kv))
+        tokens = self.backend.sample(self.model.forward(batch, self.kv), rows)
         if profile:
             profile.lap("graph")
         return tokens

@@ -113,11 +113,15 @@ def keep_top_p(probs: np.ndarray, top_p: float) -> None:
     probs[~keep] = 0.0
 
 
-def needs_processing(seq: Sequence) -> bool:
+def penalizes(seq: Sequence) -> bool:
+    """Whether seq's logits take a bias or a penalty before sampling."""
     p = seq.params
     penalizes_repeats = p.repetition_penalty != 1.0 and p.repeat_last_n != 0
-    return (not p.greedy or penalizes_repeats or bool(p.frequency_penalty) or bool(p.presence_penalty)
-            or bool(p.logit_bias))
+    return penalizes_repeats or bool(p.frequency_penalty) or bool(p.presence_penalty) or bool(p.logit_bias)
+
+
+def needs_processing(seq: Sequence) -> bool:
+    return not seq.params.greedy or penalizes(seq)
 
 
 def sample(logits: np.ndarray, seqs: list[Sequence]) -> tuple[list[int], dict[int, str]]:
