@@ -281,7 +281,10 @@ class LLMEngine:
         self.speculator.observe(sum(item.num_new_tokens for item in scheduled), time.perf_counter() - start)
         # each sampling item's first row of logits; one checking a draft has 1 + len(draft) rows
         first_rows = np.cumsum([0] + [1 + len(item.draft) for item in sampling])[:-1]
-        plain_logits = logits[[r for item, r in zip(sampling, first_rows) if not item.draft]]
+        if masks is None and len(plain) == len(logits):  # every row is a plain one, in order: no copy of them all
+            plain_logits = logits
+        else:  # a copy, which the grammars' masks then change
+            plain_logits = logits[[r for item, r in zip(sampling, first_rows) if not item.draft]]
         unmasked = self.constraints.apply(plain_logits, masks, plain)
         tokens, failed = sample(plain_logits, plain)
         failed = {**failed, **unmasked}
@@ -447,7 +450,8 @@ class LLMEngine:
         rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
         if not rows:
             return {}
-        entries = token_logprobs(logits[rows], [tokens[i] for i in rows], [seqs[i].params.logprobs for i in rows])
+        asked = logits if len(rows) == len(logits) else logits[rows]  # all of them: no copy
+        entries = token_logprobs(asked, [tokens[i] for i in rows], [seqs[i].params.logprobs for i in rows])
         return dict(zip(rows, entries))
 
     def _output(self, seq: Sequence, token: int, logprob: dict | None, error: str | None) -> RequestOutput:
