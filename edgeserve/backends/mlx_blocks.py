@@ -44,15 +44,15 @@ class CompiledBlocks:
         self.layers = layers
         self.ropes = ropes
         self.eps = eps
-        self.compiled = [(mx.compile(self._before_write(layer)), mx.compile(self._after_attention(layer)))
-                         for layer in layers]
+        self.plain = [(self._before_write(layer), self._after_attention(layer)) for layer in layers]
+        self.compiled = [(mx.compile(before), mx.compile(after)) for before, after in self.plain]
 
     def __call__(self, h: mx.array, kv: KVPool, meta: MLXMeta) -> mx.array:
         be = self.backend
-        compiled = h.shape[0] <= MAX_COMPILED_ROWS
+        parts = self.compiled if h.shape[0] <= MAX_COMPILED_ROWS else self.plain
         metas = [meta, *(be.with_rope(meta, rope) for rope in self.ropes[1:])]
         for i, layer in enumerate(self.layers):
-            before, after = self.compiled[i] if compiled else (self._before_write(layer), self._after_attention(layer))
+            before, after = parts[i]
             m = metas[layer.attention.rope]
             q, k, v = before(h, m.positions, m.freqs)
             kv.write(i, k, v, m)

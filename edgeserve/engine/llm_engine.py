@@ -352,10 +352,7 @@ class LLMEngine:
             self.profile.lap("batch")
         else:
             self._drop_ahead()
-            self._move_tiers()
-            copies = self.block_manager.take_pending_copies()
-            if copies:
-                self.runner.copy_blocks(copies)
+            self._prepare_pool()
             start = time.perf_counter()
             tokens = self.runner.sampled_tokens(scheduled, self._sampling_rows(sampling), profile=self.profile)
             self.backend.launch(tokens)
@@ -408,11 +405,15 @@ class LLMEngine:
         return results
 
     def _run(self, scheduled: list[ScheduledSeq]) -> np.ndarray:
+        self._prepare_pool()
+        return self.runner.run(scheduled, profile=self.profile)
+
+    def _prepare_pool(self) -> None:
+        """The prefix store's moves and the copy-on-write copies the step's blocks wait for."""
         self._move_tiers()
         copies = self.block_manager.take_pending_copies()
         if copies:
             self.runner.copy_blocks(copies)
-        return self.runner.run(scheduled, profile=self.profile)
 
     def _move_tiers(self) -> None:
         """The K/V of blocks evicted since the last step into the prefix store, then the store's hits into the
