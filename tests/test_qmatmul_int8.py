@@ -188,3 +188,32 @@ def test_int32_accumulator_limit_is_checked_in_c(bits, group, fits):
     else:
         with pytest.raises(ValueError, match="int32"):
             qm._ext.gemm(x, packed, scales, biases, out, n, bits, group, True)
+
+
+@pytest.mark.skipif("avx512vnni" not in ISAS or "avx2" not in ISAS, reason="needs a CPU with AVX-512 VNNI")
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, "affine4-64", "affine8-128"])
+def test_avx512_equals_avx2_bit_for_bit(qtype):
+    """The AVX-512 int8 kernels take the AVX2 ones' integer dots and float order: the same bits, at
+    every row count (one row's two dependency chains, the four-row tiles and their remainders)."""
+    rng = np.random.default_rng(17)
+    if isinstance(qtype, str):
+        bits, group = (int(v) for v in qtype.removeprefix("affine").split("-"))
+        w = _affine(rng, 45, 512, bits, group, False)
+    elif qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
+        w = _affine(rng, 45, 512, 8 if qtype == T.Q8_0 else 4, 32, True)
+    else:
+        w = random_kquant(rng, qtype, 45, 512)
+    m = qm.prepare([w])
+    x = rng.standard_normal((67, 512)).astype(np.float32)
+    before = qm.get_activations()
+    qm.set_activations("int8")
+    try:
+        for rows in (1, 2, 3, 4, 5, 8, 67):
+            got = {}
+            for isa in ("avx2", "avx512vnni"):
+                qm._ext.set_isa(isa)
+                got[isa] = qm.qmatmul(x[:rows], m)
+            np.testing.assert_array_equal(got["avx512vnni"], got["avx2"])
+    finally:
+        qm.set_activations(before)
+        qm._ext.set_isa(None)
