@@ -75,6 +75,13 @@ def rank_args(args: ModelArgs, share: Share) -> ModelArgs:
                                head_dim=args.head_dim)
 
 
+def kv_args(args: ModelArgs, mode: str, share: Share) -> ModelArgs:
+    """Arguments whose KV bytes per token are what one rank's pool holds of a token."""
+    if mode == "pipeline":
+        return dataclasses.replace(args, num_hidden_layers=len(share.layers))
+    return rank_args(args, share)
+
+
 def shard_weights(args: ModelArgs, weights: Weights, share: Share) -> Weights:
     """One rank's tensor-mode weights: rows of q/k/v (its heads) and gate/up (its MLP columns), columns of o and
     down (marked PartialSum: the ranks' products add up to the layer's); the rest as it is."""

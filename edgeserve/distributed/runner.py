@@ -21,7 +21,7 @@ from edgeserve.backends.mlx_backend import MLXBackend
 from edgeserve.batch import Batch, SamplingRows
 from edgeserve.config import EngineConfig
 from edgeserve.distributed.group import Group
-from edgeserve.distributed.plan import Share, describe_share, plan, rank_args, shard_weights
+from edgeserve.distributed.plan import Share, describe_share, kv_args, plan, rank_args, shard_weights
 from edgeserve.engine.kv_budget import PoolSize, size_pool
 from edgeserve.engine.model_runner import ModelRunner
 from edgeserve.engine.scheduler import ScheduledSeq
@@ -42,7 +42,7 @@ def start_group(model: LoadedModel, config: EngineConfig, group: Group) -> tuple
     shares = plan(model.args, config.distributed, group.size)
     backend = MLXBackend(config.kv_dtype, group=group.group if config.distributed == "tensor" else None)
     # each rank's pool holds its share of every block: sized so that the largest share fits the budget
-    pool_size = min((size_pool(_kv_args(model, config.distributed, share), config.kv_budget_bytes(),
+    pool_size = min((size_pool(kv_args(model.args, config.distributed, share), config.kv_budget_bytes(),
                                config.block_size, backend.kv_dtype) for share in shares), key=lambda p: p.num_blocks)
     if group.size == 1:
         return backend, pool_size, ModelRunner(model, backend, pool_size)
@@ -191,13 +191,6 @@ def _rank_model(model: LoadedModel, mode: str, share: Share) -> tuple[LoadedMode
         return model, share.layers
     return dataclasses.replace(model, args=rank_args(model.args, share),
                                weights=shard_weights(model.args, model.weights, share)), None
-
-
-def _kv_args(model: LoadedModel, mode: str, share: Share) -> Any:
-    """The arguments whose KV bytes per token are what one rank's pool holds of a token."""
-    if mode == "pipeline":
-        return dataclasses.replace(model.args, num_hidden_layers=len(share.layers))
-    return rank_args(model.args, share)
 
 
 def _share_shapes(runner: ModelRunner, shares: list[Share]) -> list[tuple[int, ...]]:
