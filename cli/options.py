@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import click
 
 from edgeserve.backends import ACTIVATION_MODES, BACKENDS, DEFAULT_ACTIVATIONS, DEFAULT_CPU_KV_DTYPE, KV_DTYPES, WEIGHT_MODES
-from edgeserve.config import DISTRIBUTED_MODES, DEFAULT_KV_MEMORY, DEFAULT_PREFIX_CACHE_RAM, SPECULATIVE_MODES, EngineConfig
+from edgeserve.config import (DEFAULT_KV_MEMORY, DEFAULT_PREFIX_CACHE_RAM, DISTRIBUTED_MODES, SPECULATIVE_MODES,
+                              EngineConfig)
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.sampling_params import FALLBACK_SAMPLING, SamplingDefaults, SamplingParams

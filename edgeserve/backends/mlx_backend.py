@@ -227,8 +227,12 @@ class MLXBackend:
 
     def allocate_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> mx.array:
         dtype = _POOL_DTYPES[self.kv_dtype]
-        return mx.zeros((num_blocks, block_size, n_kv_heads, kv_head_bytes(self.kv_dtype, head_dim) // dtype.size),
+        pool = mx.zeros((num_blocks, block_size, n_kv_heads, kv_head_bytes(self.kv_dtype, head_dim) // dtype.size),
                         dtype=dtype)
+        # made now, on the thread building the engine: pending work runs only on a stream of the thread that made
+        # it, and the engine steps on a thread of its own (the server's)
+        mx.eval(pool)
+        return pool
 
     def write_kv(self, cache: mx.array, values: mx.array, meta: MLXMeta) -> mx.array:
         # Indexing the 4-D pool directly (no reshape) leaves the scatter's input unshared, so MLX

@@ -81,8 +81,9 @@ class Group:
         return [total[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
     def _sum(self, x: np.ndarray) -> np.ndarray:
-        # on the CPU stream: these are host bytes, and the ring reduces on the CPU
-        out = mx.distributed.all_sum(mx.array(x), group=self.group, stream=mx.cpu)
+        # no stream named: MLX runs the ring's operations on the CPU itself, on the calling thread's own stream (a
+        # stream made in another thread cannot run there, and the server's engine has a thread of its own)
+        out = mx.distributed.all_sum(mx.array(x), group=self.group)
         mx.eval(out)
         return np.array(out)
 
