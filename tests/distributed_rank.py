@@ -42,7 +42,7 @@ def main(mode: str, cases_path: str, out_path: str) -> None:
     engine.close()
     with open(out_path, "w") as f:
         json.dump({"tokens": {rid: c.token_ids for rid, c in results.items()}, "preemptions": stats.preemptions,
-                   "prefix_hit_tokens": stats.prefix_hit_tokens}, f)
+                   "prefix_hit_tokens": stats.prefix_hit_tokens, "prefix_ram_hit_tokens": stats.prefix_ram_hit_tokens}, f)
 
 
 if __name__ == "__main__":

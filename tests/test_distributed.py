@@ -116,7 +116,9 @@ def _cases(mode: str, ranks: int, loaded_model) -> dict:
                     default=kv_bytes_per_token(loaded_model.args, "float32"))
     requests = [[f"a{i}", ids[-14:], 5] for i, ids in enumerate(PROMPTS)]
     requests += [[f"c{i}", PROMPTS[1][-20:], 3] for i in range(2)]
-    return {"config": {"kv_memory": NUM_BLOCKS * BLOCK_SIZE * per_token, "block_size": BLOCK_SIZE},
+    # the prefix store's RAM tier keeps what the pool evicts: block reads and writes through the group
+    return {"config": {"kv_memory": NUM_BLOCKS * BLOCK_SIZE * per_token, "block_size": BLOCK_SIZE,
+                       "prefix_cache_ram": "16MiB"},
             "requests": requests, "arrivals": {"2": ["c1"]}}
 
 
@@ -140,7 +142,8 @@ def one_rank(loaded_model, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("mode,ranks", [("pipeline", 2), ("pipeline", 3), ("tensor", 2)])
 def test_ranks_give_one_ranks_greedy_tokens(mode, ranks, one_rank, loaded_model, tmp_path) -> None:
-    assert one_rank["preemptions"] > 0 and one_rank["prefix_hit_tokens"] > 0  # the cases do what they are for
+    # the cases do what they are for
+    assert one_rank["preemptions"] > 0 and one_rank["prefix_hit_tokens"] > 0 and one_rank["prefix_ram_hit_tokens"] > 0
     split = _launch(mode, ranks, loaded_model, tmp_path)
     assert split == one_rank  # every request's tokens, and the same preemptions and prefix hits
 

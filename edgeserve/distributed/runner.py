@@ -113,8 +113,10 @@ class GroupRunner(ModelRunner):
             return out
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy blocks on every rank; like write_block_bytes, done before the step that waits for them."""
         self.group.broadcast({"op": "copy", "pairs": pairs})
         super().copy_blocks(pairs)
+        self.backend.evaluate()
 
     @property
     def stored_block_shape(self) -> tuple[int, ...]:
@@ -131,6 +133,9 @@ class GroupRunner(ModelRunner):
     def write_block_bytes(self, blocks: list[int], rows: np.ndarray) -> None:
         self.group.broadcast({"op": "write", "blocks": blocks, "rows": rows})
         super().write_block_bytes(blocks, _own_part(rows, self.mode, self.shares[0]))
+        # written now, on every rank: pending pool writes evaluated with the step's sends and receives were seen to
+        # stall the ring
+        self.backend.evaluate()
 
     def close(self) -> None:
         """Let the other ranks go."""
@@ -156,10 +161,12 @@ def serve_rank(model: LoadedModel, group: Group) -> None:
             return
         if op == "copy":
             runner.copy_blocks([tuple(pair) for pair in message["pairs"]])
+            backend.evaluate()
         elif op == "read":
             _gather_blocks(group, runner, shares, message["blocks"])
         elif op == "write":
             runner.write_block_bytes(message["blocks"], _own_part(message["rows"], mode, share))
+            backend.evaluate()
         elif op == "forward":
             batch = Batch(**{name: message[name] for name in BATCH_FIELDS}, block_size=message["block_size"])
             result = message["result"]
