@@ -11,6 +11,7 @@ from edgeserve.metal import active_attention_path
 from edgeserve.metal.launch_limits import describe_attention
 from edgeserve.cli.local_models import as_json, find_local, list_local, remove_local
 from edgeserve.cli.options import BackendChoice
+from edgeserve.config import DISTRIBUTED_MODES
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, local_path, pull as pull_model
 from edgeserve.units import format_size
@@ -67,7 +68,12 @@ def rm(names: tuple[str, ...], yes: bool) -> None:
               help="Tokens per session.")
 @click.option("--backend", type=BackendChoice(), default="auto", show_default=True,
               help="Backend whose attention path to report.")
-def info(model_argument: str | None, model: str | None, sessions: int, context: int, backend: str) -> None:
+@click.option("--ranks", "-n", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Show how the model splits over this many ranks (serve --distributed under mlx.launch -n N).")
+@click.option("--distributed", type=click.Choice(DISTRIBUTED_MODES), default="pipeline", show_default=True,
+              help="How --ranks split it: stages of layers, or each layer's heads and MLP columns.")
+def info(model_argument: str | None, model: str | None, sessions: int, context: int, backend: str, ranks: int,
+         distributed: str) -> None:
     """Architecture, size, quantization, KV bytes per token and memory for N sessions of C tokens."""
     if model_argument and model and model_argument != model:
         raise EdgeserveError(f"two models given: {model_argument} and -m {model}")
@@ -98,6 +104,15 @@ def info(model_argument: str | None, model: str | None, sessions: int, context: 
         ("attention", describe_attention(active_attention_path(backend), a.head_dim, a.num_attention_heads,
                                          a.num_key_value_heads)),
     ]
+    if ranks > 1:
+        from edgeserve.distributed.plan import describe_share, kv_args, plan, share_bytes
+
+        for i, share in enumerate(plan(a, distributed, ranks)):
+            per_token = kv_bytes_per_token(kv_args(a, distributed, share), "float16")
+            rows.append((f"rank {i} of {ranks} ({distributed})",
+                         f"{describe_share(a, share)}; {format_size(share_bytes(a, m.weights, share))} of weights, "
+                         f"KV {per_token} bytes/token (float16), {format_size(sessions * context * per_token)} for "
+                         f"{sessions} x {context} tokens"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key:>{width}}  {value}")

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import click
 
 from edgeserve.backends import ACTIVATION_MODES, BACKENDS, DEFAULT_ACTIVATIONS, DEFAULT_CPU_KV_DTYPE, KV_DTYPES, WEIGHT_MODES
-from edgeserve.config import DEFAULT_KV_MEMORY, DEFAULT_PREFIX_CACHE_RAM, SPECULATIVE_MODES, EngineConfig
+from edgeserve.config import (DEFAULT_KV_MEMORY, DEFAULT_PREFIX_CACHE_RAM, DISTRIBUTED_MODES, SPECULATIVE_MODES,
+                              EngineConfig)
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.sampling_params import FALLBACK_SAMPLING, SamplingDefaults, SamplingParams
@@ -32,26 +33,33 @@ class BackendChoice(click.Choice):
 
 
 def model_options(run: Callable | None = None, *, ctx_default: str = "the model's", several: bool = False,
-                  generates: bool = True, prefix_cache_disk: str = "0") -> Callable:
+                  generates: bool = True, prefix_cache_disk: str = "0", distributed: bool = False) -> Callable:
     """--model, and the engine's --backend, --weights, --activations, --kv-memory, --kv-dtype, --threads, --ctx-size and (where
     the command generates text) --speculative, --prefix-cache-ram and --prefix-cache-disk, which reach the command as one
     EngineConfig argument `config`; ctx_default: what --help says -c defaults to; several: -m may be given more than
-    once (the command gets a tuple, empty where none was given); prefix_cache_disk: this command's disk tier."""
+    once (the command gets a tuple, empty where none was given); prefix_cache_disk: this command's disk tier;
+    distributed: the command takes --distributed (a model split across the ranks mlx.launch starts)."""
     if run is None:
         return functools.partial(model_options, ctx_default=ctx_default, several=several, generates=generates,
-                                 prefix_cache_disk=prefix_cache_disk)
+                                 prefix_cache_disk=prefix_cache_disk, distributed=distributed)
 
     @functools.wraps(run)
     def command(*args: object, backend: str, weights: str, activations: str | None, kv_memory: str, kv_dtype: str,
                 threads: int | None, ctx_size: int | None, speculative: str = "off", prefix_cache_ram: str = "0",
-                prefix_cache_disk: str = "0", **kwargs: object) -> object:
+                prefix_cache_disk: str = "0", distributed: str | None = None, **kwargs: object) -> object:
         config = EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory, kv_dtype=kv_dtype, threads=threads,
                               max_model_len=ctx_size, activations=activations, speculative=speculative,
-                              prefix_cache_ram=prefix_cache_ram, prefix_cache_disk=prefix_cache_disk)
+                              prefix_cache_ram=prefix_cache_ram, prefix_cache_disk=prefix_cache_disk,
+                              distributed=distributed)
         config.prefix_cache_bytes()  # a bad size fails before anything loads
         return run(*args, config=config, **kwargs)
 
     f = command
+    if distributed:
+        f = click.option("--distributed", type=click.Choice(DISTRIBUTED_MODES), default=None,
+                         help="Split the model across the processes `mlx.launch` starts (this command on every "
+                              "rank; rank 0 answers): pipeline gives each rank a stage of layers (any link), tensor "
+                              "each layer's heads and MLP columns (a fast link: Thunderbolt). MLX backend only.")(f)
     if generates:
         f = click.option("--prefix-cache-disk", default=prefix_cache_disk, show_default=True, metavar="SIZE",
                          help="Disk under $EDGESERVE_HOME/prefix-cache for the prefix blocks the RAM tier drops, and for "
@@ -137,6 +145,23 @@ def sampling_options(max_tokens: int) -> Callable[[Callable], Callable]:
     return decorate
 
 
+def join_group(model: str, config: EngineConfig) -> None:
+    """With --distributed, on every rank but 0: serve rank 0's steps with this rank's share of the model, then exit
+    (rank 0 returns, and runs the command)."""
+    if not config.distributed:
+        return
+    from edgeserve.distributed.group import world
+
+    group = world()
+    if group.rank == 0:
+        return
+    from edgeserve.distributed.runner import serve_rank
+    from edgeserve.models.loader import load_model
+
+    serve_rank(load_model(model), group)
+    sys.exit(0)
+
+
 def build_engine(model: str, config: EngineConfig, quiet: bool = False) -> LLMEngine:
     """Load the model and start an engine, printing what was allocated to stderr.
 
@@ -152,6 +177,8 @@ def build_engine(model: str, config: EngineConfig, quiet: bool = False) -> LLMEn
     engine = LLMEngine(loaded, config)
     if not quiet:
         print(f"{loaded.source.name} on {engine.backend.describe()}; {engine.pool_size.describe()}", file=sys.stderr)
+        if config.distributed:
+            print(engine.runner.describe(), file=sys.stderr)
         # the KV pool capping the model's own context is the expected case; a --ctx-size it cannot hold is news
         if config.max_model_len is not None and (note := engine.describe_limits()) is not None:
             print(note, file=sys.stderr)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, TextIO
 
 import click
 
-from edgeserve.cli.options import build_engine, model_options, sampling_options
+from edgeserve.cli.options import build_engine, join_group, model_options, sampling_options
 from edgeserve.config import EngineConfig
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import CATALOG
@@ -57,7 +57,7 @@ def read_schema(schema_file: TextIO) -> dict:
 
 
 @click.command()
-@model_options
+@model_options(distributed=True)
 @sampling_options(max_tokens=256)
 @click.option("--prompt", "-p", "prompt_option", default=None, help="The prompt, instead of PROMPT.")
 @click.option("--file", "-f", "prompt_file", type=click.File(encoding="utf-8"), default=None,
@@ -77,6 +77,7 @@ def run(model: str, config: EngineConfig, settings: dict, prompt_option: str | N
     The prompt comes from PROMPT, -p TEXT or -f FILE; with none of them (or '-'), from stdin:
     `echo hi | edgeserve run`.
     """
+    join_group(model, config)  # ranks but 0 serve rank 0's steps here (the prompt is rank 0's)
     prompt = read_prompt(prompt, prompt_option, prompt_file)
     schema = read_schema(schema_file) if schema_file is not None else None
     engine = build_engine(model, config, quiet=as_json)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from edgeserve.cli.options import build_engine, model_options
+from edgeserve.cli.options import build_engine, join_group, model_options
 from edgeserve.config import DEFAULT_SERVE_PREFIX_CACHE_DISK, EngineConfig
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import CATALOG, DEFAULT_MODEL, cached_path, names_for_file
@@ -87,7 +87,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 @click.command()
-@model_options(several=True, prefix_cache_disk=DEFAULT_SERVE_PREFIX_CACHE_DISK)
+@model_options(several=True, prefix_cache_disk=DEFAULT_SERVE_PREFIX_CACHE_DISK, distributed=True)
 @click.option("--models-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Serve every GGUF file and model folder in this folder too (each by its name).")
 @click.option("--max-loaded-models", default=DEFAULT_MAX_LOADED_MODELS, show_default=True, type=click.IntRange(1),
@@ -146,6 +146,10 @@ def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None
     aliases = tuple(a for a in dict.fromkeys(aliases) if a != names[0])
     if clash := set(aliases) & set(names):
         raise click.UsageError(f"--alias {sorted(clash)[0]} is the name of another model served")
+    if config.distributed and (len(sources) > 1 or allow_pull or keep_alive is not None):
+        raise click.UsageError("--distributed serves one model, loaded for the server's life (no second model, "
+                               "--models-dir, --allow-pull or --keep-alive)")
+    join_group(sources[0], config)  # ranks but 0 serve rank 0's steps here, and never listen
     sock = _listen(host, port)
     engine = build_engine(sources[0], config)
     # the server's modules (FastAPI, uvicorn) load here, so --help and a taken port answer at once
@@ -164,8 +168,10 @@ def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None
         idle_seconds = FOREVER if len(sources) == 1 else DEFAULT_KEEP_ALIVE
     kv_bytes = config.kv_budget_bytes()
     taken = {*names, *aliases}
-    entries = [ModelEntry(name, aliases if i == 0 else (), catalog_names(source, taken), load=loader(source),
-                          size=expected_bytes(source) + kv_bytes) for i, (name, source) in enumerate(zip(names, sources))]
+    # a split model stays loaded (pinned: no load function): its other ranks serve one engine's life
+    entries = [ModelEntry(name, aliases if i == 0 else (), catalog_names(source, taken),
+                          load=None if config.distributed else loader(source), size=expected_bytes(source) + kv_bytes)
+               for i, (name, source) in enumerate(zip(names, sources))]
     pool = ModelPool(entries, max_loaded_models, idle_seconds, loader, allow_pull, budget)
     pool.preload(entries[0], AsyncEngine(engine))
     app = create_app(pool, api_key=api_key, max_queue=max_queue, max_body_size=max_body_size,

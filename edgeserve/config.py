@@ -10,6 +10,7 @@ from edgeserve.units import parse_size
 
 DEFAULT_KV_MEMORY = "1GiB"
 SPECULATIVE_MODES = ("auto", "ngram", "off")  # see engine/speculative.py
+DISTRIBUTED_MODES = ("pipeline", "tensor")  # see edgeserve/distributed
 # The commands' prefix-store tiers. RAM: a fixed modest size, since it fills only as the KV pool overflows and
 # should stay small beside the model; disk: for `serve` only, whose clients (agents) resend long prompts across
 # restarts, and a few GiB hold tens of thousands of tokens of a 1B model's K/V; a one-shot command keeps nothing.
@@ -32,6 +33,9 @@ class EngineConfig:
     threads: int | None = None  # CPU threads for the NumPy backend's kernels; None: every core
     activations: str | None = None  # NumPy kernels' activation integers, "int8" or "int16"; None: their default
     speculative: str = "off"  # speculative decoding: "auto", "ngram" or "off" (engine/speculative.py)
+    # the model split across the ranks `mlx.launch` started: "pipeline" or "tensor" (edgeserve.distributed); None:
+    # this process alone
+    distributed: str | None = None
     # the prefix store's tiers (engine/prefix_store.py): bytes of evicted prefix blocks kept in RAM and on disk
     # under EDGESERVE_HOME ('512MiB', a byte count; 0 turns a tier off). Off here; the commands choose their own.
     prefix_cache_ram: str | int = 0

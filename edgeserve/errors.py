@@ -15,3 +15,7 @@ class ModelNotFoundError(ModelLoadError):
 
 class PromptTooLongError(EdgeserveError):
     """A prompt does not fit in the model's context or the KV pool."""
+
+
+class GroupLostError(EdgeserveError):
+    """A rank of a model split across processes is gone, so no step can run again."""

@@ -187,7 +187,8 @@ class Model(Protocol):
     args: ModelArgs
     layer_weights: tuple[str, ...]  # each layer's weights under Hugging Face names, which the loader checks
 
-    def forward(self, batch: Batch, kv: KVPool, hidden: bool = False) -> Array:
+    def forward(self, batch: Batch, kv: KVPool, hidden: bool = False, h: Array | None = None) -> Array:
         """Run one step over the ragged batch; return logits of the rows in batch.logits_indices (hidden: their
-        final hidden states, normed, as embeddings pool them)."""
+        final hidden states, normed, as embeddings pool them). A pipeline stage (built with `layers`) takes the
+        previous stage's residual stream as h, and returns its own where it is not the last."""
         ...

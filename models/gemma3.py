@@ -87,10 +87,10 @@ class Gemma3(Llama):
     )
     args: Gemma3Args
 
-    def __init__(self, args: Gemma3Args, weights: Weights, backend: Backend):
+    def __init__(self, args: Gemma3Args, weights: Weights, backend: Backend, layers: range | None = None):
         # float32, as transformers multiplies a float32 embedding by it
         self.embed_scale = float(np.float32(math.sqrt(args.hidden_size)))
-        super().__init__(args, weights, backend)
+        super().__init__(args, weights, backend, layers)
 
     def norm_vector(self, w: HostWeight) -> Array:
         """A Gemma RMSNorm weight as the plain scale the backend's rms_norm multiplies by: 1 + weight."""

@@ -147,14 +147,20 @@ class Llama:
         "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
     )
 
-    def __init__(self, args: ModelArgs, weights: Weights, backend: Backend):
+    def __init__(self, args: ModelArgs, weights: Weights, backend: Backend, layers: range | None = None):
+        """layers: the decoder blocks this process holds (a pipeline stage; None: all of them); the embedding
+        comes with the first block, the final norm and head with the last, so a stage prepares only its weights."""
         self.args = args
         self.backend = be = backend
-        self.embed = be.embedding(weights["model.embed_tokens.weight"])
+        self.stage = layers = range(args.num_hidden_layers) if layers is None else layers
+        first, last = layers.start == 0, layers.stop == args.num_hidden_layers
         head = weights.get("lm_head.weight")
-        self.lm_head = be.head(self.embed if head is None or args.tie_word_embeddings else be.embedding(head))
-        self.norm = self.norm_vector(weights["model.norm.weight"])
-        self.layers = [self.load_layer(weights, i) for i in range(args.num_hidden_layers)]
+        tied = head is None or args.tie_word_embeddings
+        # a last stage with a tied head holds the embedding for it
+        self.embed = be.embedding(weights["model.embed_tokens.weight"]) if first or (last and tied) else None
+        self.lm_head = be.head(self.embed if tied else be.embedding(head)) if last else None
+        self.norm = self.norm_vector(weights["model.norm.weight"]) if last else None
+        self.layers = [self.load_layer(weights, i) for i in layers]
         self.ropes = self.rope_tables()
         # The backend may run every block as one call, from the parts' descriptions; a family whose
         # blocks compute something else runs its own code, block by block.
@@ -208,16 +214,21 @@ class Llama:
         """Logits of final hidden states (normed) [T, hidden]."""
         return self.backend.lm_head(h, self.lm_head)
 
-    def forward(self, batch: Batch, kv: KVPool, hidden: bool = False) -> Array:
-        """Run one step; return logits of the rows in batch.logits_indices (hidden: their normed final states)."""
+    def forward(self, batch: Batch, kv: KVPool, hidden: bool = False, h: Array | None = None) -> Array:
+        """Run one step; return logits of the rows in batch.logits_indices (hidden: their normed final states).
+        A pipeline stage after the first takes the residual stream [T, hidden] from the one before as h; one
+        before the last returns the residual stream after its blocks (every row), for the next."""
         be = self.backend
         meta = be.batch_meta(batch, self.ropes[0])
-        h = self.embed_tokens(meta.token_ids)
+        if h is None:
+            h = self.embed_tokens(meta.token_ids)
         if self.fused_blocks is not None:
             h = self.fused_blocks(h, kv, meta)
         else:
             metas = [meta, *(be.with_rope(meta, rope) for rope in self.ropes[1:])]
             for i, layer in enumerate(self.layers):
                 h = self.block(layer, i, h, kv, metas[layer.attention.rope])
+        if self.norm is None:
+            return h
         h = be.rms_norm(be.take_rows(h, meta.logits_indices), self.norm, self.args.rms_norm_eps)
         return h if hidden else self.logits(h)

@@ -29,7 +29,7 @@ T = TypeVar("T")
 class Architecture:
     """A supported model_type: the class that runs it, its arguments, and its names in other formats."""
 
-    model: Callable[[ModelArgs, Weights, Backend], Model]
+    model: Callable[..., Model]  # (args, weights, backend[, layers])
     hf_name: str  # config.json's "architectures" entry, as convert writes it
     args: type[ModelArgs] = ModelArgs
     gguf_name: str | None = None  # GGUF general.architecture of its files; None: GGUF not supported
@@ -70,9 +70,11 @@ def gguf_model_type(gguf_architecture: str, source: Path | str) -> str:
     return _lookup(GGUF_MODEL_TYPES, gguf_architecture, source)
 
 
-def build_model(args: ModelArgs, weights: Weights, backend: Backend) -> Model:
-    """The model of args.model_type with its weights prepared by `backend`."""
-    return ARCHITECTURES[args.model_type].model(args, weights, backend)
+def build_model(args: ModelArgs, weights: Weights, backend: Backend, layers: range | None = None) -> Model:
+    """The model of args.model_type with its weights prepared by `backend`: only the decoder blocks in `layers`
+    where given (a pipeline stage, see Llama)."""
+    model = ARCHITECTURES[args.model_type].model
+    return model(args, weights, backend) if layers is None else model(args, weights, backend, layers)
 
 
 def _lookup(table: dict[str, T], name: str, source: Path | str) -> T:

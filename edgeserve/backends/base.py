@@ -10,6 +10,7 @@ those objects back to the backend that made them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, Union, runtime_checkable
 
 import numpy as np
@@ -19,6 +20,15 @@ from edgeserve.quant.affine import QuantizedTensor
 
 Array = Any  # an activation or KV array of the backend (np.ndarray, mx.array)
 HostWeight = Union[np.ndarray, QuantizedTensor]  # a weight as a loader gives it
+
+
+@dataclass
+class PartialSum:
+    """A weight of which this rank holds some input columns (tensor parallelism, `edgeserve.distributed`): its
+    matmul gives a partial sum, which a backend running in a group adds up over the group's ranks."""
+
+    weight: HostWeight
+
 Prepared = Any  # a weight as the backend keeps it, made by vector/embedding/head/linear
 RopeTables = Any  # RoPE as the backend applies it, made once by rope_tables
 

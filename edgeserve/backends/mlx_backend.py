@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from edgeserve.backends.base import PartialSum
 from edgeserve.backends.kv_formats import int8_kv_group, kv_head_bytes
 from edgeserve.backends.mlx_blocks import CompiledBlocks, rope_rows
 from edgeserve.batch import Batch, SamplingRows
@@ -59,13 +60,16 @@ class DenseWeight:
 
 @dataclass
 class Linear:
-    """Weights sharing one input (q/k/v, gate/up), fused into as few matmuls as their storage allows."""
+    """Weights sharing one input (q/k/v, gate/up), fused into as few matmuls as their storage allows; with a
+    group, each rank's output is a partial sum (its share of the input columns), added up over the group."""
 
     parts: list[QuantizedWeight | DenseWeight]
+    group: Any = None  # an mx.distributed.Group
 
     def __call__(self, x: mx.array) -> mx.array:
         outputs = [p.matmul(x) for p in self.parts]
-        return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=-1)
+        out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=-1)
+        return out if self.group is None else mx.distributed.all_sum(out, group=self.group)
 
 
 @dataclass
@@ -87,7 +91,8 @@ _POOL_DTYPES = {"float32": mx.float32, "float16": mx.float16, "int8": mx.int8}
 class MLXBackend:
     name = "mlx"
 
-    def __init__(self, kv_dtype: str = "auto") -> None:
+    def __init__(self, kv_dtype: str = "auto", group: Any = None) -> None:
+        """group: the tensor-parallel group whose ranks' partial sums (`PartialSum` weights) this one adds up."""
         on_gpu = mx.default_device().type == mx.DeviceType.gpu
         self.computes_async = on_gpu  # MLX on the CPU computes as a step is launched
         self.dtype = mx.float16 if on_gpu else mx.float32
@@ -98,6 +103,7 @@ class MLXBackend:
             raise EdgeserveError("--kv-dtype float32: on a GPU the mlx backend computes K/V in float16, so a float32 "
                                  "pool would hold the same values in twice the memory; use float16 or int8")
         self.attention = select_attention()
+        self.group = group
         self._written: list[mx.array] = []  # this step's pool arrays, evaluated with its logits
 
     def describe(self) -> str:
@@ -116,7 +122,7 @@ class MLXBackend:
         return mx.array(a).astype(self.dtype)
 
     def _weight(self, w: Any) -> QuantizedWeight | DenseWeight:
-        w = _mlx_form(w)
+        w = mlx_form(w)
         if isinstance(w, QuantizedTensor):
             q = QuantizedWeight(mx.array(w.weight), self._scales(w.scales), self._scales(w.biases), w.bits, w.group_size)
             mx.eval(q.weight, q.scales, q.biases)
@@ -135,8 +141,11 @@ class MLXBackend:
 
     def linear(self, parts: list[Any]) -> Linear:
         """Concatenate the rows of neighbouring parts stored alike, so q/k/v or gate/up is one matmul."""
+        partial = isinstance(parts[0], PartialSum)
+        if partial and self.group is None:
+            raise EdgeserveError("a weight split across ranks needs the backend of a tensor-parallel group")
         groups: list[list[Any]] = []
-        for p in map(_mlx_form, parts):
+        for p in (mlx_form(p.weight if partial else p) for p in parts):
             if groups and _storage(groups[-1][0]) == _storage(p):
                 groups[-1].append(p)
             else:
@@ -155,7 +164,7 @@ class MLXBackend:
                 )
             else:
                 fused.append(np.concatenate([np.asarray(p, dtype=np.float32) for p in group]))
-        return Linear([self._weight(w) for w in fused])
+        return Linear([self._weight(w) for w in fused], self.group if partial else None)
 
     def fuse_blocks(self, layers: list[Any], eps: float, ropes: list[mx.array]) -> CompiledBlocks:
         return CompiledBlocks(self, layers, eps, ropes)
@@ -218,8 +227,12 @@ class MLXBackend:
 
     def allocate_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> mx.array:
         dtype = _POOL_DTYPES[self.kv_dtype]
-        return mx.zeros((num_blocks, block_size, n_kv_heads, kv_head_bytes(self.kv_dtype, head_dim) // dtype.size),
+        pool = mx.zeros((num_blocks, block_size, n_kv_heads, kv_head_bytes(self.kv_dtype, head_dim) // dtype.size),
                         dtype=dtype)
+        # made now, on the thread building the engine: pending work runs only on a stream of the thread that made
+        # it, and the engine steps on a thread of its own (the server's)
+        mx.eval(pool)
+        return pool
 
     def write_kv(self, cache: mx.array, values: mx.array, meta: MLXMeta) -> mx.array:
         # Indexing the 4-D pool directly (no reshape) leaves the scatter's input unshared, so MLX
@@ -246,9 +259,13 @@ class MLXBackend:
     def to_numpy(self, x: mx.array) -> np.ndarray:
         """Evaluate the step's graph, pool writes included (logits may not need them all), as float32 NumPy."""
         x = x.astype(mx.float32)
-        mx.eval(x, *self._written)
-        self._written = []
+        self.evaluate(x)
         return np.array(x)
+
+    def evaluate(self, *arrays: mx.array) -> None:
+        """Evaluate arrays and the step's pool writes."""
+        mx.eval(*arrays, *self._written)
+        self._written = []
 
     def sample(self, logits: mx.array, rows: SamplingRows | None) -> mx.array:
         if logits.size == 0:  # a step of prefill chunks that sample nothing; MLX's argmax rejects empty rows
@@ -310,7 +327,7 @@ def _draw(logits: mx.array, rows: SamplingRows) -> mx.array:
     return mx.minimum(drawn, vocab - 1).astype(mx.int32)
 
 
-def _mlx_form(w: Any) -> Any:
+def mlx_form(w: Any) -> Any:
     """A GGUF K-quant as MLX affine groups where MLX has them (Q4_K, Q5_K), else as float32."""
     if isinstance(w, KQuantTensor):
         return w.to_affine() or w.dequantize(np.float32)

@@ -21,7 +21,7 @@ import numpy as np
 from edgeserve.engine.llm_engine import EngineInfo, EngineStats, LLMEngine
 from edgeserve.engine.output import RequestOutput
 from edgeserve.engine.prompts import Prompts
-from edgeserve.errors import EdgeserveError
+from edgeserve.errors import EdgeserveError, GroupLostError
 from edgeserve.sampling_params import SamplingParams
 from edgeserve.text.tokenizer import Tokenizer
 from edgeserve.text.tool_calls import ToolCallFormat
@@ -187,6 +187,8 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self._engine.step()
+            except GroupLostError:  # a split model lost a rank: no step can run again, so the engine dies
+                raise
             except Exception as exc:  # a broken step must not kill the server: fail the running requests
                 for rid in self._engine.request_ids():
                     self._engine.abort(rid)

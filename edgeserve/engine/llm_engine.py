@@ -135,10 +135,16 @@ class LLMEngine:
         self.config = config
         self.model = model
         self.tokenizer = model.tokenizer
-        self.backend = get_backend(config.backend, weights=config.weights, model=model, threads=config.threads,
-                                   activations=config.activations, kv_dtype=config.kv_dtype)
-        self.pool_size = size_pool(model.args, config.kv_budget_bytes(), config.block_size, self.backend.kv_dtype)
-        self.runner = ModelRunner(model, self.backend, self.pool_size)
+        if config.distributed:
+            from edgeserve.distributed.group import world  # MLX's: loaded only for a model split across ranks
+            from edgeserve.distributed.runner import start_group
+
+            self.backend, self.pool_size, self.runner = start_group(model, config, world())
+        else:
+            self.backend = get_backend(config.backend, weights=config.weights, model=model, threads=config.threads,
+                                       activations=config.activations, kv_dtype=config.kv_dtype)
+            self.pool_size = size_pool(model.args, config.kv_budget_bytes(), config.block_size, self.backend.kv_dtype)
+            self.runner = ModelRunner(model, self.backend, self.pool_size)
         self.prefix_store = self._open_prefix_store()
         self.block_manager = BlockManager(self.pool_size.num_blocks, config.block_size, config.enable_prefix_caching,
                                           self.prefix_store)
@@ -188,11 +194,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Keep the pool's prefixes in the prefix store's disk tier and finish its writes (an engine stopping:
-        the next one starts from them)."""
+        the next one starts from them), then let go of the other ranks of a split model."""
         store = self.prefix_store
-        if store is None:
-            return
-        if store.disk_limit > 0:
+        if store is not None and store.disk_limit > 0:
             self._move_tiers()
             store.persist()  # the RAM tier first: the pool's blocks are the newer, the last a full disk evicts
             cached = self.block_manager.cached_blocks()
@@ -200,7 +204,9 @@ class LLMEngine:
                 part = cached[start : start + 64]
                 for (_, h, key), data in zip(part, self.runner.read_blocks([b for b, _, _ in part])):
                     store.save(h, key, data)
-        store.close()
+        if store is not None:
+            store.close()
+        self.runner.close()
 
     @property
     def vocab_size(self) -> int:

@@ -17,11 +17,14 @@ from edgeserve.models.registry import build_model
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, backend: Backend, pool_size: PoolSize):
+    """The model and its KV pool in this process: every layer, or those of `layers` (a pipeline stage)."""
+
+    def __init__(self, model: LoadedModel, backend: Backend, pool_size: PoolSize, layers: range | None = None):
         self.backend = backend
         self.args = model.args
-        self.model = build_model(model.args, model.weights, backend)
-        self.kv = KVPool(backend, self.args.num_hidden_layers, pool_size.num_blocks, pool_size.block_size,
+        self.layers = range(self.args.num_hidden_layers) if layers is None else layers
+        self.model = build_model(model.args, model.weights, backend, layers)
+        self.kv = KVPool(backend, len(self.layers), pool_size.num_blocks, pool_size.block_size,
                          self.args.num_key_value_heads, self.args.head_dim)
         self.block_size = pool_size.block_size
         probe = backend.read_blocks(self.kv.k[0], [0])
@@ -79,27 +82,44 @@ class ModelRunner:
         return tokens
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        for layer in range(self.args.num_hidden_layers):
+        for layer in range(len(self.layers)):
             self.kv.k[layer] = self.backend.copy_blocks(self.kv.k[layer], pairs)
             self.kv.v[layer] = self.backend.copy_blocks(self.kv.v[layer], pairs)
 
     def read_blocks(self, blocks: list[int]) -> list[bytes]:
         """Each block's K and V of every layer as one byte string, as the pool holds them."""
-        parts = []
-        for layer in range(self.args.num_hidden_layers):
-            for cache in (self.kv.k[layer], self.kv.v[layer]):
-                parts.append(self.backend.read_blocks(cache, blocks).reshape(len(blocks), -1).view(np.uint8))
-        rows = np.stack(parts, axis=1)  # [blocks, 2 * layers, bytes of one]
-        return [row.tobytes() for row in rows]
+        return [row.tobytes() for row in self.read_block_bytes(blocks)]
 
     def write_blocks(self, blocks: list[int], data: list[bytes]) -> None:
         """Put blocks read by read_blocks (in this pool's layout) back at `blocks`."""
+        rows = np.frombuffer(b"".join(data), dtype=np.uint8)
+        self.write_block_bytes(blocks, rows.reshape(len(blocks), *self.stored_block_shape))
+
+    @property
+    def stored_block_shape(self) -> tuple[int, ...]:
+        """One block's K and V as read_block_bytes gives them: [2 x layers (K then V of each), block_size,
+        KV heads, bytes of a head]."""
         dtype, shape = self.block_layout
-        rows = np.frombuffer(b"".join(data), dtype=np.uint8).reshape(len(blocks), 2 * self.args.num_hidden_layers, -1)
-        for layer in range(self.args.num_hidden_layers):
+        return (2 * len(self.layers), *shape[:-1], shape[-1] * dtype.itemsize)
+
+    def read_block_bytes(self, blocks: list[int]) -> np.ndarray:
+        """The blocks' K and V as uint8 [blocks, *stored_block_shape]."""
+        parts = []
+        for layer in range(len(self.layers)):
+            for cache in (self.kv.k[layer], self.kv.v[layer]):
+                parts.append(self.backend.read_blocks(cache, blocks).view(np.uint8))
+        return np.stack(parts, axis=1)
+
+    def write_block_bytes(self, blocks: list[int], rows: np.ndarray) -> None:
+        """Put blocks read by read_block_bytes back at `blocks`."""
+        dtype, shape = self.block_layout
+        for layer in range(len(self.layers)):
             for i, pool in enumerate((self.kv.k, self.kv.v)):
                 values = np.ascontiguousarray(rows[:, 2 * layer + i]).view(dtype).reshape(len(blocks), *shape)
                 pool[layer] = self.backend.write_blocks(pool[layer], blocks, values)
+
+    def close(self) -> None:
+        """Let go of what runs beyond this process (nothing: see edgeserve.distributed for a runner that has some)."""
 
     def run(self, scheduled: list[ScheduledSeq], all_rows: bool = False, hidden: bool = False,
             profile: StepProfile | None = None) -> np.ndarray:
