@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: list[tuple[str, list[list[str]]]] = [
     ("commands", [["edgeserve.cli"]]),
     ("front ends and tools", [["edgeserve.server"], ["edgeserve.llm"], ["edgeserve.bench"], ["edgeserve.evaluation"]]),
-    ("engine", [["edgeserve.engine"]]),
+    ("engine", [["edgeserve.engine", "edgeserve.distributed"]]),
     ("models", [["edgeserve.models"]]),
     ("backends", [["edgeserve.backends", "edgeserve.metal"]]),
     ("formats", [["edgeserve.quant"], ["edgeserve.text"]]),
