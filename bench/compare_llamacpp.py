@@ -34,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -169,9 +170,20 @@ def run_tool(cmd: list[str], progress: Progress, task: TaskID, percent: re.Patte
                 if percent and (m := percent.match(line)):
                     progress.update(task, completed=int(m.group(1)))
         if proc.wait():
-            raise ToolError(f"{' '.join(cmd[:4])} ... exited with {proc.returncode}:\n" + "\n".join(tail))
+            hint = illegal_instruction(proc.returncode)
+            raise ToolError(f"{' '.join(cmd[:4])} ... exited with {proc.returncode}{hint}:\n" + "\n".join(tail))
         out.seek(0)
         return out.read().decode(errors="replace")
+
+
+def illegal_instruction(returncode: int) -> str:
+    """A hint for a peer killed by SIGILL, else nothing."""
+    if returncode != -signal.SIGILL:
+        return ""
+    # GGML_NATIVE compiles in every instruction the CPU names, AMX included, which some virtual machines
+    # name but refuse (prompts crash, decode runs)
+    return (" (an illegal instruction: a -DGGML_NATIVE=ON build can use AMX, which this machine refuses; rebuild "
+            "with -DGGML_NATIVE=OFF and the CPU's other GGML_AVX* options on, GGML_AMX_* off)")
 
 
 def free_port() -> int:
@@ -190,7 +202,8 @@ def timed_process(cmd: list[str], env: dict[str, str] | None = None) -> tuple[fl
         proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode:
             err.seek(0)
-            raise ToolError(f"{' '.join(cmd[:4])} ... exited with {proc.returncode}:\n"
+            hint = illegal_instruction(proc.returncode)
+            raise ToolError(f"{' '.join(cmd[:4])} ... exited with {proc.returncode}{hint}:\n"
                             + err.read().decode(errors="replace")[-3000:])
     # ru_maxrss is KiB on Linux, bytes on macOS
     return wall, usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
