@@ -55,7 +55,7 @@ class DraftModel:
         self.context_len = model.args.max_position_embeddings
         self.vocab_size = vocab_size  # the target's logits' width, which the guesses' distributions take
         self.seconds_per_guess: float | None = None  # a draft's time over its length, averaged over recent drafts
-        self._shadows: dict[str, Sequence] = {}
+        self.shadows: dict[str, Sequence] = {}  # by request id
 
     def reserve(self, seq: Sequence, k: int) -> bool:
         """Make room in the draft's pool for a draft of k guesses for seq (its catch-up, and the k - 1 guesses fed
@@ -68,9 +68,12 @@ class DraftModel:
     def follow(self, seq: Sequence) -> Sequence:
         """seq's shadow, its tokens seq's, its K/V kept as far as they agree (a rejected guess's dropped, with
         the blocks that held only them)."""
-        shadow = self._shadows.get(seq.request_id)
+        shadow = self.shadows.get(seq.request_id)
         if shadow is None:
-            shadow = self._shadows[seq.request_id] = Sequence(seq.request_id, seq.prompt_ids, seq.params)
+            shadow = self.shadows[seq.request_id] = Sequence(seq.request_id, seq.prompt_ids, seq.params)
+            # numbers of its own, independent of the target's yet seeded by them (a seed gives the same text): a
+            # guess drawn with the numbers that drew or check the target's tokens would not follow the draft's q
+            shadow.rng = seq.rng.spawn(1)[0]
         # the shadow's K/V holds seq's tokens up to the last draft, then that draft's guesses fed back, of which
         # seq took as many as were accepted and then one of its own: the K/V agrees up to seq's last token
         computed = min(shadow.num_computed_tokens, seq.num_tokens - 1)
@@ -82,7 +85,7 @@ class DraftModel:
 
     def release(self, seq: Sequence) -> None:
         """Free seq's shadow's blocks (it finished, was aborted or preempted)."""
-        shadow = self._shadows.pop(seq.request_id, None)
+        shadow = self.shadows.pop(seq.request_id, None)
         if shadow is not None:
             self.block_manager.free_seq(shadow)
 
@@ -91,7 +94,7 @@ class DraftModel:
         in one forward pass of the draft model. A sampled request's guesses are drawn as it samples, from the
         draft's distribution, kept for the check; a greedy one's are the draft's likeliest tokens."""
         start = time.perf_counter()
-        shadows = [self._shadows[item.seq.request_id] for item in items]
+        shadows = [self.shadows[item.seq.request_id] for item in items]
         rounds = max(len(item.draft) for item in items)
         for i in range(rounds):
             live = [(item, shadow) for item, shadow in zip(items, shadows) if i < len(item.draft)]
