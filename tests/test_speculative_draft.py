@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from scipy.stats import chi2_contingency, chisquare
-from test_speculative import GREEDY, check_invariants, make_engine, repetitive_prompts, run
+from test_speculative import GREEDY, make_engine, repetitive_prompts, run, trained_cost
 
 from edgeserve.cli.main import cli
 from edgeserve.config import EngineConfig
@@ -22,7 +22,7 @@ from edgeserve.engine.block_manager import blocks_for
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.engine.sampler import check_guess
 from edgeserve.engine.sequence import Sequence
-from edgeserve.engine.speculative import MAX_DRAFT
+from edgeserve.engine.speculative import MAX_DRAFT, PENDING, Speculator
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.loader import LoadedModel
 from edgeserve.sampling_params import SamplingParams
@@ -120,6 +120,33 @@ def test_sampled_requests_are_distributed_as_without_speculation(tiny_model):
         table = np.array([[np.sum(col == t) for t in ids] for col in (off[:, pos], on[:, pos])])
         table = table[:, table.sum(axis=0) >= 5]  # chi-square needs expected counts that are not tiny
         assert chi2_contingency(table).pvalue > 0.001, f"position {pos + 1}"
+
+
+class TimedDraft:
+    """A stand-in draft model: its room always there, its guesses taking the given seconds each."""
+
+    def __init__(self, seconds_per_guess: float | None):
+        self.seconds_per_guess = seconds_per_guess
+
+    def reserve(self, seq: Sequence, k: int) -> bool:
+        return True
+
+
+def test_auto_drafts_with_the_model_only_where_its_guesses_pay_for_their_time():
+    def propose(per_guess: float | None, accepted: int, tokens: list[int]) -> list[int]:
+        spec = Speculator("auto", cost=trained_cost(lambda rows: 0.010 + 0.0001 * rows), drafter=TimedDraft(per_guess))
+        seq = Sequence("s", tokens, SamplingParams())
+        for _ in range(10):
+            spec.record(seq, 4, accepted, by_model=True)
+        return spec.propose(seq, 8, rows=1, decodes=1)
+
+    text = list(range(40))  # nothing repeats: prompt lookup finds no draft
+    assert propose(0.001, 4, text) == [PENDING] * 8  # cheap guesses, all right: a full draft
+    assert propose(0.020, 4, text) == []  # each guess costs two steps: none pays
+    assert propose(0.001, 0, text) == []  # cheap but wrong
+    assert propose(None, 4, text) == []  # not yet timed: only an exploring try drafts
+    # where the text repeats, prompt lookup's free guesses come first
+    assert propose(0.001, 4, list(range(20)) * 2 + [0, 1, 2])[0] == 3
 
 
 # the engine on the tiny model ---------------------------------------------------------------------------------
