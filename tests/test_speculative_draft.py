@@ -22,7 +22,7 @@ from edgeserve.engine.block_manager import blocks_for
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.engine.sampler import check_guess
 from edgeserve.engine.sequence import Sequence
-from edgeserve.engine.speculative import MAX_DRAFT, PENDING, Speculator
+from edgeserve.engine.speculative import EXPLORE_EVERY, MAX_DRAFT, PENDING, Speculator
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.loader import LoadedModel
 from edgeserve.sampling_params import SamplingParams
@@ -145,6 +145,18 @@ def test_auto_drafts_with_the_model_only_where_its_guesses_pay_for_their_time():
     assert propose(0.020, 4, text) == []  # each guess costs two steps: none pays
     assert propose(0.001, 0, text) == []  # cheap but wrong
     assert propose(None, 4, text) == []  # not yet timed: only an exploring try drafts
+    # a try now and then, as for prompt lookup; but none where even all guesses right would not pay
+    for per_guess, tries in ((0.003, 1), (0.020, 0)):
+        spec = Speculator("auto", cost=trained_cost(lambda rows: 0.010 + 0.0001 * rows), drafter=TimedDraft(per_guess))
+        seq = Sequence("s", text, SamplingParams())
+        for _ in range(10):
+            spec.record(seq, 4, 0, by_model=True)
+        drafts = []
+        for _ in range(EXPLORE_EVERY):
+            spec.record(seq, 4, 0, by_model=True)  # every guess wrong, on and on
+            spec.observe(1, 0.0101)
+            drafts.append(spec.propose(seq, 8, rows=1, decodes=1))
+        assert sum(map(bool, drafts)) == tries
     # where the text repeats, prompt lookup's free guesses come first
     assert propose(0.001, 4, list(range(20)) * 2 + [0, 1, 2])[0] == 3
 

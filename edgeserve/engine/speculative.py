@@ -175,9 +175,12 @@ class Speculator:
         k = 0 if line is None or per_guess is None else best_draft(state.acceptance, most, rows, decodes, line,
                                                                      per_guess)
         # an estimate that never drafts could never learn otherwise: now and then, one short draft in a step
-        # (while an estimate is missing, every other step, so the steps without it are timed too)
+        # (while an estimate is missing, every other step, so the steps without it are timed too); never where
+        # even guesses all right would not pay for the time they take to make (a draft model too slow here)
         due = EXPLORE_EVERY if line is not None and state.checks >= FIRST_CHECKS else 2
-        if k == 0 and self._since_try >= due:
+        hopeless = line is not None and per_guess is not None and best_draft(1.0, most, rows, decodes, line,
+                                                                             per_guess) == 0
+        if k == 0 and self._since_try >= due and not hopeless:
             self._since_try = 0
             k = min(EXPLORE_DRAFT, most)
         return k
