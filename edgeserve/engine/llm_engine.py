@@ -104,7 +104,7 @@ class EngineInfo:
     vocab_size: int  # rows of the model's embedding and logits (may exceed the tokenizer's vocabulary: padding)
     block_size: int  # tokens per KV block
     num_blocks: int  # blocks in the KV pool
-    memory_bytes: int  # the weights as the backend holds them, and the KV pool
+    memory_bytes: int  # the weights as the backend holds them, and the KV pool (and a draft model's, where given)
     sampling_defaults: SamplingDefaults  # what requests sample with where they do not say
     architecture: str  # the model family ("llama", "qwen3", "gemma3_text", ...)
     model_format: str  # "gguf", "safetensors" or "mlx"
@@ -158,7 +158,7 @@ class LLMEngine:
         self.info = EngineInfo(
             model_name=model.source.name, backend=self.backend.name, context_len=self.context_len,
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, block_size=self.pool_size.block_size,
-            num_blocks=self.pool_size.num_blocks, memory_bytes=self._weight_bytes() + self.pool_size.bytes,
+            num_blocks=self.pool_size.num_blocks, memory_bytes=self._memory_bytes(),
             sampling_defaults=model.sampling_defaults, architecture=model.args.model_type, model_format=model.format,
             num_parameters=model.num_parameters, quantization=model.quantization())
         self.constraints = Constraints(self.tokenizer, self.vocab_size)
@@ -225,10 +225,18 @@ class LLMEngine:
         """Rows of the model's logits (may exceed the tokenizer's vocabulary where the model pads it)."""
         return self.model.args.vocab_size
 
-    def _weight_bytes(self) -> int:
-        """The weights as the backend holds them (the NumPy backend may hold float32 copies)."""
-        m = self.runner.model
-        return _nbytes([m.embed, m.norm, m.layers]) + (0 if m.lm_head is m.embed else _nbytes(m.lm_head))
+    def _memory_bytes(self) -> int:
+        """The weights as the backend holds them (the NumPy backend may hold float32 copies) and the KV pool, and
+        the draft model's where there is one."""
+        runners = [(self.runner, self.pool_size)]
+        if self.drafter is not None:
+            runners.append((self.drafter.runner, self.drafter.pool_size))
+        total = 0
+        for runner, pool in runners:
+            m = runner.model
+            total += _nbytes([m.embed, m.norm, m.layers]) + (0 if m.lm_head is m.embed else _nbytes(m.lm_head))
+            total += pool.bytes
+        return total
 
     @classmethod
     def from_name(cls, name: str, config: EngineConfig | None = None, **overrides: Any) -> LLMEngine:
