@@ -145,7 +145,7 @@ def test_auto_drafts_with_the_model_only_where_its_guesses_pay_for_their_time():
     assert propose(0.020, 4, text) == []  # each guess costs two steps: none pays
     assert propose(0.001, 0, text) == []  # cheap but wrong
     assert propose(None, 4, text) == []  # not yet timed: only an exploring try drafts
-    # a try now and then, as for prompt lookup; but none where even all guesses right would not pay
+    # a try now and then, as for prompt lookup; far more rarely where even all guesses right would not pay
     for per_guess, tries in ((0.003, 1), (0.020, 0)):
         spec = Speculator("auto", cost=trained_cost(lambda rows: 0.010 + 0.0001 * rows), drafter=TimedDraft(per_guess))
         seq = Sequence("s", text, SamplingParams())

@@ -54,7 +54,9 @@ class DraftModel:
         self.block_manager = BlockManager(self.pool_size.num_blocks, block_size, enable_prefix_caching=False)
         self.context_len = model.args.max_position_embeddings
         self.vocab_size = vocab_size  # the target's logits' width, which the guesses' distributions take
-        self.seconds_per_guess: float | None = None  # a draft's time over its length, averaged over recent drafts
+        # the time of a forward pass feeding back one guess a sequence, averaged over recent drafts (the first pass
+        # of a draft, which catches up, is left out: a prompt it catches up on says nothing of what a guess costs)
+        self.seconds_per_guess: float | None = None
         self.shadows: dict[str, Sequence] = {}  # by request id
 
     def reserve(self, seq: Sequence, k: int) -> bool:
@@ -93,10 +95,12 @@ class DraftModel:
         """Guess the drafts of items (each reserved, its draft's places waiting): the i-th guesses of all of them
         in one forward pass of the draft model. A sampled request's guesses are drawn as it samples, from the
         draft's distribution, kept for the check; a greedy one's are the draft's likeliest tokens."""
-        start = time.perf_counter()
         shadows = [self.shadows[item.seq.request_id] for item in items]
         rounds = max(len(item.draft) for item in items)
+        start = 0.0
         for i in range(rounds):
+            if i == 1:
+                start = time.perf_counter()
             live = [(item, shadow) for item, shadow in zip(items, shadows) if i < len(item.draft)]
             logits = self.runner.run([ScheduledSeq(shadow, shadow.num_tokens - shadow.num_computed_tokens)
                                       for _, shadow in live])
@@ -108,9 +112,10 @@ class DraftModel:
                 if probs is not None:
                     item.draft_probs.append(probs)
                 item.model_draft = True
-        per_guess = (time.perf_counter() - start) / rounds
-        last = self.seconds_per_guess
-        self.seconds_per_guess = per_guess if last is None else TIME_MEMORY * last + (1 - TIME_MEMORY) * per_guess
+        if rounds > 1:
+            per_guess = (time.perf_counter() - start) / (rounds - 1)
+            last = self.seconds_per_guess
+            self.seconds_per_guess = per_guess if last is None else TIME_MEMORY * last + (1 - TIME_MEMORY) * per_guess
 
     def _target_width(self, logits: np.ndarray) -> np.ndarray:
         """The draft's logits over the target's rows: a model may pad its vocabulary with rows no token has, and

@@ -39,6 +39,7 @@ COST_WINDOW = 256  # recent steps the cost of a row is fit over
 MIN_SAMPLES = 3  # steps at each of two row counts before the fit is trusted
 EXPLORE_DRAFT = 2  # longest draft "auto" tries while the cost or a sequence's acceptance is not yet known
 EXPLORE_EVERY = 64  # steps between tries of a draft the estimates say does not pay, so they can change their mind
+HOPELESS_EVERY = 16 * EXPLORE_EVERY  # and where even guesses all right would not pay for the time they take to make
 FIRST_CHECKS = 2  # drafts each sequence may try before its acceptance is trusted
 DECAY = 0.9  # weight a sequence's acceptance record keeps at each of its steps with a draft to propose
 PENDING = -1  # a place in a draft the draft model fills once the step is scheduled (Speculator.propose)
@@ -175,12 +176,13 @@ class Speculator:
         k = 0 if line is None or per_guess is None else best_draft(state.acceptance, most, rows, decodes, line,
                                                                      per_guess)
         # an estimate that never drafts could never learn otherwise: now and then, one short draft in a step
-        # (while an estimate is missing, every other step, so the steps without it are timed too); never where
-        # even guesses all right would not pay for the time they take to make (a draft model too slow here)
+        # (while an estimate is missing, every other step, so the steps without it are timed too); far more rarely
+        # where even guesses all right would not pay for the time they take to make (a draft model too slow here:
+        # its time is measured again only so that one slow measurement cannot turn it off for good)
         due = EXPLORE_EVERY if line is not None and state.checks >= FIRST_CHECKS else 2
-        hopeless = line is not None and per_guess is not None and best_draft(1.0, most, rows, decodes, line,
-                                                                             per_guess) == 0
-        if k == 0 and self._since_try >= due and not hopeless:
+        if line is not None and per_guess is not None and best_draft(1.0, most, rows, decodes, line, per_guess) == 0:
+            due = HOPELESS_EVERY
+        if k == 0 and self._since_try >= due:
             self._since_try = 0
             k = min(EXPLORE_DRAFT, most)
         return k
