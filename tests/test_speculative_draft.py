@@ -143,7 +143,14 @@ def test_auto_drafts_with_the_model_only_where_its_guesses_pay_for_their_time():
     text = list(range(40))  # nothing repeats: prompt lookup finds no draft
     assert propose(0.001, 4, text) == [PENDING] * 8  # cheap guesses, all right: a full draft
     assert propose(0.020, 4, text) == []  # each guess costs two steps: none pays
-    assert propose(0.001, 0, text) == []  # cheap but wrong
+    assert propose(0.002, 0, text) == []  # cheap but wrong
+    # the draft model's record fades at its checks, not at the steps between them
+    spec = Speculator("auto", cost=trained_cost(lambda rows: 0.010 + 0.0001 * rows), drafter=TimedDraft(0.020))
+    seq = Sequence("s", text, SamplingParams())
+    spec.record(seq, 4, 3, by_model=True)
+    before = seq.model_draft_state.acceptance
+    assert [spec.propose(seq, 8, rows=1, decodes=1) for _ in range(20)] == [[]] * 20
+    assert seq.model_draft_state.acceptance == before
     assert propose(None, 4, text) == []  # not yet timed: only an exploring try drafts
     # a try now and then, as for prompt lookup; far more rarely where even all guesses right would not pay
     for per_guess, tries in ((0.003, 1), (0.020, 0)):

@@ -41,7 +41,7 @@ EXPLORE_DRAFT = 2  # longest draft "auto" tries while the cost or a sequence's a
 EXPLORE_EVERY = 64  # steps between tries of a draft the estimates say does not pay, so they can change their mind
 HOPELESS_EVERY = 16 * EXPLORE_EVERY  # and where even guesses all right would not pay for the time they take to make
 FIRST_CHECKS = 2  # drafts each sequence may try before its acceptance is trusted
-DECAY = 0.9  # weight a sequence's acceptance record keeps at each of its steps with a draft to propose
+DECAY = 0.9  # weight an acceptance record keeps at each step with a draft to propose (a draft model's: each check)
 PENDING = -1  # a place in a draft the draft model fills once the step is scheduled (Speculator.propose)
 
 
@@ -160,7 +160,7 @@ class Speculator:
         if self.drafter is None:
             return []
         return self._model_draft(seq, self._length(seq.model_draft_state, most, rows, decodes,
-                                                   self.drafter.seconds_per_guess))
+                                                   self.drafter.seconds_per_guess, fade=False))
 
     def _model_draft(self, seq: Sequence, k: int) -> list[int]:
         """k places for the draft model to fill, where its pool has room for them."""
@@ -168,10 +168,13 @@ class Speculator:
             return []
         return [PENDING] * k
 
-    def _length(self, state: DraftState, most: int, rows: int, decodes: int, per_guess: float | None) -> int:
+    def _length(self, state: DraftState, most: int, rows: int, decodes: int, per_guess: float | None,
+                fade: bool = True) -> int:
         """How many of at most `most` guesses "auto" checks, given the drafter's acceptance record (state) and the
-        seconds it takes to make one guess (None: not yet timed, so only a try drafts, which times it)."""
-        state.hits, state.misses = state.hits * DECAY, state.misses * DECAY
+        seconds it takes to make one guess (None: not yet timed, so only a try drafts, which times it). fade: the
+        record fades at this step (prompt lookup's; a draft model's fades at its checks, see record)."""
+        if fade:
+            state.hits, state.misses = state.hits * DECAY, state.misses * DECAY
         line = self.cost.line(max(1, rows // 2), 2 * (rows + self.max_draft))
         k = 0 if line is None or per_guess is None else best_draft(state.acceptance, most, rows, decodes, line,
                                                                      per_guess)
@@ -196,6 +199,10 @@ class Speculator:
         """Count a checked draft (by_model: the draft model's): accepted guesses are hits, the first rejected one
         (if any) a miss."""
         state = seq.model_draft_state if by_model else seq.draft_state
+        if by_model:
+            # a draft model's acceptance changes little with the text, and where it does not pay it is checked only
+            # now and then: faded at every step, its record would forget it between two tries
+            state.hits, state.misses = state.hits * DECAY, state.misses * DECAY
         state.hits += accepted
         state.misses += accepted < drafted
         state.checks += 1
