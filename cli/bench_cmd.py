@@ -70,7 +70,7 @@ def _print_table(title: str, runs: list[dict]) -> None:
               help="single: one stream (prefill, decode); mixed: 64 varied requests, continuous vs static; "
                    "sweep: decode at 1-64 streams; prefix: 16 requests sharing a 1,500-token system prompt; "
                    "speculative (not in all): tasks that copy their input and an open chat, one stream, with "
-                   "speculative decoding off, auto and ngram.")
+                   "speculative decoding off, auto and ngram, and draft with --draft-model.")
 @click.option("--max-batch", default=16, show_default=True, help="Max running sequences (both batching modes).")
 @click.option("--requests", "num_requests", default=64, show_default=True, help="Requests in the mixed workload.")
 @click.option("--max-output", default=512, show_default=True, help="Longest output in the mixed workload.")
@@ -116,13 +116,15 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
         return
 
     # each workload on a fresh engine, so none starts with another's prefix cache
-    config = dataclasses.replace(config, max_num_seqs=max_batch)
-    backend = LLMEngine(loaded, config).backend
+    # the draft model loaded once, for every engine
+    draft = load_model(config.draft_model) if config.draft_model else None
+    config = dataclasses.replace(config, max_num_seqs=max_batch, draft_model=None)
+    backend = LLMEngine(loaded, config, draft).backend
     results["backend"], results["runs_on"] = backend.name, backend.describe()
     print(f"{loaded.source.name} on {results['runs_on']}", file=sys.stderr)
     if workload in ("single", "all"):
         req = workloads.uniform_workload(tok, 1, 512, 128, seed)
-        engine = LLMEngine(loaded, config)
+        engine = LLMEngine(loaded, config, draft)
         # llama-bench times after a warm-up run: so here, or the prefill figure would hold first-use costs (the
         # weights' pages read in, the pool's memory touched) that a running server paid once
         workloads.run_engine(engine, workloads.uniform_workload(tok, 1, 512, 1, seed + 1), "warm-up")
@@ -130,19 +132,20 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
         r["prefill_tokens_per_s"] = round(512 / r["ttft_p50_s"], 1)
         # llama-bench's tg128 decodes from an empty context: a one-token prompt here is the same work
         req = workloads.uniform_workload(tok, 1, 1, 128, seed)
-        empty = workloads.run_engine(LLMEngine(loaded, config), req, "single stream, empty context").summary()
+        empty = workloads.run_engine(LLMEngine(loaded, config, draft), req, "single stream, empty context").summary()
         r["decode_empty_context_tokens_per_s"] = empty["decode_tokens_per_s"]
         results["single"] = r
     if workload in ("mixed", "all"):
         requests = workloads.mixed_workload(tok, num_requests, seed, max_output=max_output)
-        cont = workloads.run_engine(LLMEngine(loaded, config), requests, "continuous").summary()
-        static = workloads.run_engine(LLMEngine(loaded, config, static_batching=True), requests, "static").summary()
+        cont = workloads.run_engine(LLMEngine(loaded, config, draft), requests, "continuous").summary()
+        static_engine = LLMEngine(loaded, config, draft, static_batching=True)
+        static = workloads.run_engine(static_engine, requests, "static").summary()
         ratio = round(cont["output_tokens_per_s"] / static["output_tokens_per_s"], 2)
         results["mixed"] = {"continuous": cont, "static": static, "continuous_over_static": ratio}
     if workload in ("sweep", "all"):
         rows = []
         for n in _stream_counts(streams):
-            e = LLMEngine(loaded, config, max_num_seqs=max(n, max_batch), max_num_batched_tokens=max(512, n))
+            e = LLMEngine(loaded, config, draft, max_num_seqs=max(n, max_batch), max_num_batched_tokens=max(512, n))
             if context > SWEEP_TOKENS:
                 requests = workloads.shared_prefix_workload(tok, n, context - SWEEP_TOKENS, SWEEP_TOKENS, SWEEP_TOKENS,
                                                             seed)
@@ -156,10 +159,12 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
         results["sweep"] = rows
     if workload in ("prefix", "all"):
         requests = workloads.shared_prefix_workload(tok, 16, 1500, seed=seed)
-        results["prefix"] = workloads.run_shared_prefix(LLMEngine(loaded, config), requests)
+        results["prefix"] = workloads.run_shared_prefix(LLMEngine(loaded, config, draft), requests)
     if workload == "speculative":
+        modes = ("off", "auto", "ngram") + (("draft",) if draft else ())
         results["speculative"] = workloads.run_speculative(
-            lambda mode: LLMEngine(loaded, config, speculative=mode))
+            lambda mode: LLMEngine(loaded, config, draft if mode in ("auto", "draft") else None, speculative=mode),
+            modes)
     _emit(results, as_json)
 
 

@@ -34,23 +34,32 @@ class BackendChoice(click.Choice):
 
 def model_options(run: Callable | None = None, *, ctx_default: str = "the model's", several: bool = False,
                   generates: bool = True, prefix_cache_disk: str = "0", distributed: bool = False) -> Callable:
-    """--model, and the engine's --backend, --weights, --activations, --kv-memory, --kv-dtype, --threads, --ctx-size and (where
-    the command generates text) --speculative, --prefix-cache-ram and --prefix-cache-disk, which reach the command as one
-    EngineConfig argument `config`; ctx_default: what --help says -c defaults to; several: -m may be given more than
-    once (the command gets a tuple, empty where none was given); prefix_cache_disk: this command's disk tier;
-    distributed: the command takes --distributed (a model split across the ranks mlx.launch starts)."""
+    """--model, and the engine's --backend, --weights, --activations, --kv-memory, --kv-dtype, --threads, --ctx-size
+    and (where the command generates text) --speculative, --draft-model, --prefix-cache-ram and --prefix-cache-disk,
+    which reach the command as one EngineConfig argument `config`; ctx_default: what --help says -c defaults to;
+    several: -m may be given more than once (the command gets a tuple, empty where none was given);
+    prefix_cache_disk: this command's disk tier; distributed: the command takes --distributed (a model split across
+    the ranks mlx.launch starts)."""
     if run is None:
         return functools.partial(model_options, ctx_default=ctx_default, several=several, generates=generates,
                                  prefix_cache_disk=prefix_cache_disk, distributed=distributed)
 
     @functools.wraps(run)
     def command(*args: object, backend: str, weights: str, activations: str | None, kv_memory: str, kv_dtype: str,
-                threads: int | None, ctx_size: int | None, speculative: str = "off", prefix_cache_ram: str = "0",
-                prefix_cache_disk: str = "0", distributed: str | None = None, **kwargs: object) -> object:
+                threads: int | None, ctx_size: int | None, speculative: str | None = None,
+                draft_model: str | None = None, prefix_cache_ram: str = "0", prefix_cache_disk: str = "0",
+                distributed: str | None = None, **kwargs: object) -> object:
+        if speculative == "draft" and draft_model is None:
+            raise click.UsageError("--speculative draft drafts with the model --draft-model names: give one")
+        if distributed and draft_model is not None:
+            raise click.UsageError("--draft-model runs beside a model held by one process, not one split across "
+                                   "ranks (--distributed); leave one of them out")
+        if speculative is None:
+            speculative = "off" if draft_model is None else "auto"
         config = EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory, kv_dtype=kv_dtype, threads=threads,
                               max_model_len=ctx_size, activations=activations, speculative=speculative,
-                              prefix_cache_ram=prefix_cache_ram, prefix_cache_disk=prefix_cache_disk,
-                              distributed=distributed)
+                              draft_model=draft_model, prefix_cache_ram=prefix_cache_ram,
+                              prefix_cache_disk=prefix_cache_disk, distributed=distributed)
         config.prefix_cache_bytes()  # a bad size fails before anything loads
         return run(*args, config=config, **kwargs)
 
@@ -71,10 +80,16 @@ def model_options(run: Callable | None = None, *, ctx_default: str = "the model'
                          help="RAM for the prefix blocks the KV pool evicts, so a prompt continuing one loads its K/V "
                               "instead of computing it again; 0: off. A modest fixed size: it fills only as the pool "
                               "overflows.")(f)
-        f = click.option("--speculative", type=click.Choice(SPECULATIVE_MODES), default="off", show_default=True,
+        f = click.option("--draft-model", default=None, metavar="MODEL",
+                         help="A smaller model with this model's tokenizer (catalog name, GGUF file or model folder) "
+                              "that guesses the next tokens for speculative decoding, all streams' guesses in one "
+                              "batch, with its own small KV pool (a quarter of --kv-memory).")(f)
+        f = click.option("--speculative", type=click.Choice(SPECULATIVE_MODES), default=None,
                          help="Speculative decoding: ngram guesses the next tokens from the prompt and output so "
-                              "far (prompt lookup) and checks them in one step; auto does so only as far as it pays, by "
-                              "the measured acceptance and the measured cost of a checked guess.")(f)
+                              "far (prompt lookup) and checks them in one step; draft guesses with --draft-model; auto "
+                              "does either only as far as it pays, by the measured acceptance and the measured cost of "
+                              "a guess (prompt lookup where it finds a match, else the draft model where one is given)  "
+                              "[default: off; auto with --draft-model]")(f)
     f = click.option("--ctx-size", "-c", type=click.IntRange(min=16), default=None,
                      help=f"Context length in tokens  [default: {ctx_default}]")(f)
     f = click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
@@ -179,6 +194,9 @@ def build_engine(model: str, config: EngineConfig, quiet: bool = False) -> LLMEn
         print(f"{loaded.source.name} on {engine.backend.describe()}; {engine.pool_size.describe()}", file=sys.stderr)
         if config.distributed:
             print(engine.runner.describe(), file=sys.stderr)
+        if engine.drafter is not None:
+            print(f"draft model {engine.drafter.model.source.name}; its {engine.drafter.pool_size.describe()}",
+                  file=sys.stderr)
         # the KV pool capping the model's own context is the expected case; a --ctx-size it cannot hold is news
         if config.max_model_len is not None and (note := engine.describe_limits()) is not None:
             print(note, file=sys.stderr)

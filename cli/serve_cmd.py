@@ -143,6 +143,8 @@ def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None
     names = [served_model_name(m) for m in sources]
     if len(set(names)) < len(names):
         raise click.UsageError(f"two models would be served under one name: {', '.join(names)}")
+    if config.draft_model is not None and len(sources) > 1:
+        raise click.UsageError("--draft-model drafts for one model: serve only that one")
     aliases = tuple(a for a in dict.fromkeys(aliases) if a != names[0])
     if clash := set(aliases) & set(names):
         raise click.UsageError(f"--alias {sorted(clash)[0]} is the name of another model served")

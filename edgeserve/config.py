@@ -9,7 +9,7 @@ from edgeserve.system import available_memory_bytes
 from edgeserve.units import parse_size
 
 DEFAULT_KV_MEMORY = "1GiB"
-SPECULATIVE_MODES = ("auto", "ngram", "off")  # see engine/speculative.py
+SPECULATIVE_MODES = ("auto", "ngram", "draft", "off")  # see engine/speculative.py
 DISTRIBUTED_MODES = ("pipeline", "tensor")  # see edgeserve/distributed
 # The commands' prefix-store tiers. RAM: a fixed modest size, since it fills only as the KV pool overflows and
 # should stay small beside the model; disk: for `serve` only, whose clients (agents) resend long prompts across
@@ -32,7 +32,8 @@ class EngineConfig:
     max_model_len: int | None = None  # context limit; None: the model's own
     threads: int | None = None  # CPU threads for the NumPy backend's kernels; None: every core
     activations: str | None = None  # NumPy kernels' activation integers, "int8" or "int16"; None: their default
-    speculative: str = "off"  # speculative decoding: "auto", "ngram" or "off" (engine/speculative.py)
+    speculative: str = "off"  # speculative decoding: "auto", "ngram", "draft" or "off" (engine/speculative.py)
+    draft_model: str | None = None  # a smaller model with the target's vocabulary that drafts (engine/drafter.py)
     # the model split across the ranks `mlx.launch` started: "pipeline" or "tensor" (edgeserve.distributed); None:
     # this process alone
     distributed: str | None = None

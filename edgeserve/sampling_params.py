@@ -153,7 +153,7 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None  # a Lark grammar (llguidance's dialect, which may embed %json {...})
     grammar_trigger: GrammarTrigger | None = None  # the grammar binds once it fires; the output is free until then
-    speculative: str | None = None  # "auto", "ngram" or "off" for this request; None: the engine's setting
+    speculative: str | None = None  # "auto", "ngram", "draft" or "off" for this request; None: the engine's setting
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -226,8 +226,8 @@ SPECULATIVE_TASKS: dict[str, tuple[str, dict]] = {
 
 def run_speculative(make_engine: Callable[[str], LLMEngine], modes: tuple[str, ...] = ("off", "auto", "ngram"),
                     max_tokens: int = 256, repeats: int = 2) -> list[dict]:
-    """Each task's greedy answer, alone, under each speculative mode (the best of `repeats` runs each): decode
-    tokens/s, its ratio to "off", and how many guessed tokens were accepted."""
+    """Each task's greedy answer, alone, under each speculative mode (the best of `repeats` runs each; "off" first):
+    decode tokens/s, its ratio to "off", and how many guessed tokens were accepted."""
     from edgeserve.engine.prompts import Prompts
 
     rows = []

@@ -17,6 +17,7 @@ from edgeserve.batch import SamplingRows
 from edgeserve.config import EngineConfig
 from edgeserve.engine.block_manager import BlockManager, blocks_for
 from edgeserve.engine.constraints import Constraints
+from edgeserve.engine.drafter import DRAFT_KV_SHARE, DraftModel, check_vocabulary
 from edgeserve.engine.kv_budget import size_pool
 from edgeserve.engine.model_runner import ModelRunner
 from edgeserve.engine.prefix_store import PrefixStore, namespace_key
@@ -24,7 +25,7 @@ from edgeserve.engine.output import Completion, OutputProcessor, RequestOutput, 
 from edgeserve.engine.sampler import check_guess, penalizes, sample, token_logprobs
 from edgeserve.engine.scheduler import ScheduledSeq, Scheduler
 from edgeserve.engine.sequence import Sequence
-from edgeserve.engine.speculative import Speculator
+from edgeserve.engine.speculative import PENDING, Speculator
 from edgeserve.engine.step_profile import StepProfile
 from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.models.loader import LoadedModel, load_model, model_fingerprint
@@ -103,7 +104,7 @@ class EngineInfo:
     vocab_size: int  # rows of the model's embedding and logits (may exceed the tokenizer's vocabulary: padding)
     block_size: int  # tokens per KV block
     num_blocks: int  # blocks in the KV pool
-    memory_bytes: int  # the weights as the backend holds them, and the KV pool
+    memory_bytes: int  # the weights as the backend holds them, and the KV pool (and a draft model's, where given)
     sampling_defaults: SamplingDefaults  # what requests sample with where they do not say
     architecture: str  # the model family ("llama", "qwen3", "gemma3_text", ...)
     model_format: str  # "gguf", "safetensors" or "mlx"
@@ -128,9 +129,11 @@ class EngineInfo:
 
 
 class LLMEngine:
-    """`LLMEngine(model, EngineConfig(...))`; keyword arguments override single config fields."""
+    """`LLMEngine(model, EngineConfig(...))`; keyword arguments override single config fields. draft: a draft model
+    for speculative decoding already loaded (else config.draft_model, where given, is loaded)."""
 
-    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, **overrides: Any):
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, draft: LoadedModel | None = None,
+                 **overrides: Any):
         config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.config = config
         self.model = model
@@ -148,9 +151,11 @@ class LLMEngine:
         self.prefix_store = self._open_prefix_store()
         self.block_manager = BlockManager(self.pool_size.num_blocks, config.block_size, config.enable_prefix_caching,
                                           self.prefix_store)
-        self.speculator = Speculator(config.speculative)
+        self.drafter = self._load_drafter(draft)
+        self.speculator = Speculator(config.speculative, drafter=self.drafter)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.static_batching, self.speculator.propose)
+                                   config.static_batching, self.speculator.propose,
+                                   on_free=self.drafter.release if self.drafter is not None else None)
         context = model.args.max_position_embeddings
         self.context_len = min(config.max_model_len or context, context)
         # a longer sequence could never grow, even alone in the pool
@@ -159,7 +164,7 @@ class LLMEngine:
         self.info = EngineInfo(
             model_name=model.source.name, backend=self.backend.name, context_len=self.context_len,
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, block_size=self.pool_size.block_size,
-            num_blocks=self.pool_size.num_blocks, memory_bytes=self._weight_bytes() + self.pool_size.bytes,
+            num_blocks=self.pool_size.num_blocks, memory_bytes=self._memory_bytes(),
             sampling_defaults=model.sampling_defaults, architecture=model.args.model_type, model_format=model.format,
             num_parameters=model.num_parameters, quantization=model.quantization())
         self.constraints = Constraints(self.tokenizer, self.vocab_size)
@@ -175,6 +180,19 @@ class LLMEngine:
             return None
         return (f"max_model_len capped to {self.max_model_len} tokens (the model's context is {self.context_len}): "
                 f"one sequence can hold no more of the KV pool; raise --kv-memory for longer ones")
+
+    def _load_drafter(self, draft: LoadedModel | None) -> DraftModel | None:
+        """The draft model (given, or config.draft_model loaded) on a backend of the target's kind, with its own
+        KV pool; None where there is none. Its vocabulary must be the target's."""
+        config = self.config
+        if draft is None and config.draft_model is None:
+            return None
+        draft = draft or load_model(config.draft_model)  # type: ignore[arg-type]
+        check_vocabulary(self.tokenizer, draft.tokenizer, draft.source.name)
+        backend = get_backend(self.backend.name, weights=config.weights, model=draft, threads=config.threads,
+                              activations=config.activations, kv_dtype=config.kv_dtype)
+        return DraftModel(draft, backend, int(DRAFT_KV_SHARE * config.kv_budget_bytes()), config.block_size,
+                          self.vocab_size)
 
     def _open_prefix_store(self) -> PrefixStore | None:
         """The prefix store's tiers where the config gives them room, in the namespace of what decides the K/V
@@ -213,10 +231,18 @@ class LLMEngine:
         """Rows of the model's logits (may exceed the tokenizer's vocabulary where the model pads it)."""
         return self.model.args.vocab_size
 
-    def _weight_bytes(self) -> int:
-        """The weights as the backend holds them (the NumPy backend may hold float32 copies)."""
-        m = self.runner.model
-        return _nbytes([m.embed, m.norm, m.layers]) + (0 if m.lm_head is m.embed else _nbytes(m.lm_head))
+    def _memory_bytes(self) -> int:
+        """The weights as the backend holds them (the NumPy backend may hold float32 copies) and the KV pool, and
+        the draft model's where there is one."""
+        runners = [(self.runner, self.pool_size)]
+        if self.drafter is not None:
+            runners.append((self.drafter.runner, self.drafter.pool_size))
+        total = 0
+        for runner, pool in runners:
+            m = runner.model
+            total += _nbytes([m.embed, m.norm, m.layers]) + (0 if m.lm_head is m.embed else _nbytes(m.lm_head))
+            total += pool.bytes
+        return total
 
     @classmethod
     def from_name(cls, name: str, config: EngineConfig | None = None, **overrides: Any) -> LLMEngine:
@@ -236,6 +262,8 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
         params.check_vocab(self.vocab_size)
+        if params.speculative == "draft" and self.drafter is None:
+            raise EdgeserveError("speculative 'draft' needs a draft model, and this engine has none")
         ids = self.tokenize_prompt(prompt)
         self.check_prompt(ids)
         request_id = request_id or f"req-{next(self._ids)}"
@@ -275,6 +303,10 @@ class LLMEngine:
         if not scheduled:
             return []
         self.profile.lap("schedule")
+        drafts = [item for item in scheduled if item.draft[:1] == [PENDING]]
+        if drafts:
+            self.drafter.fill(drafts)  # type: ignore[union-attr]
+            self.profile.lap("draft")
         if self._sampled_on_device(scheduled):
             return self._device_step(scheduled)
         self._drop_ahead()
@@ -488,7 +520,8 @@ class LLMEngine:
                 failed = self.constraints.apply(row[None], self.constraints.start_masks([seq]), [seq])
                 if failed:
                     return self._fail(seq, failed[0])
-                token = check_guess(row, seq, guess)
+                q = item.draft_probs[i] if i < len(item.draft_probs) else None
+                token = check_guess(row, seq, guess, q)
                 outs.append(self._append(seq, token, self._logprobs(row[None], [seq], [token]).get(0)))
                 if token != guess:
                     break
@@ -497,7 +530,7 @@ class LLMEngine:
                     break
         except Exception as exc:  # one request's sampling or detokenizing must not fail the batch
             return self._fail(seq, f"output failed: {exc}")
-        self.speculator.record(seq, len(draft), accepted)
+        self.speculator.record(seq, len(draft), accepted, by_model=item.model_draft)
         out = merge_outputs(outs)
         if out.finished:
             self._retire(seq)
@@ -507,6 +540,8 @@ class LLMEngine:
         seq.num_computed_tokens += accepted
         self.block_manager.register_full_blocks(seq)
         self.block_manager.trim(seq)
+        if item.model_draft:  # and so the draft model's of the rejected guesses
+            self.drafter.follow(seq)  # type: ignore[union-attr]
         return out
 
     def _append(self, seq: Sequence, token: int, logprob: dict | None) -> RequestOutput:

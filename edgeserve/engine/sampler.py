@@ -74,21 +74,39 @@ def sample_row(logits: np.ndarray, seq: Sequence) -> int:
     return _draw(_weights(x, seq), seq.rng)
 
 
-def check_guess(logits: np.ndarray, seq: Sequence, guess: int | None) -> int:
+def draw_guess(logits: np.ndarray, seq: Sequence) -> tuple[int, np.ndarray | None]:
+    """A draft model's guess from its row of logits, as seq would sample it, and the distribution it was drawn
+    from (its probabilities over the vocabulary, summing to 1), which checking it needs; greedy rows take the
+    likeliest token and give no distribution (they are checked against the target's likeliest)."""
+    x = _processed(logits, seq)
+    if seq.params.greedy:
+        return int(np.argmax(x)), None
+    probs = _weights(x, seq)
+    probs /= probs.sum()
+    return _draw(probs, seq.rng), probs
+
+
+def check_guess(logits: np.ndarray, seq: Sequence, guess: int | None, q: np.ndarray | None = None) -> int:
     """The token a row of a draft's check gives: guess where it is accepted, else what replaces it (guess None:
     the row after a wholly accepted draft, sampled as usual).
 
-    A prompt-lookup draft is a point mass, so speculative sampling's rule becomes: accept guess with its
-    probability p(guess), else draw from p without guess; the token is then distributed as p exactly.
-    Greedy rows accept guess only where it is the likeliest token.
+    Speculative sampling's rule, for a guess drawn from q (a draft model's distribution): accept it with
+    probability min(1, p(guess) / q(guess)), else draw from p - q where it is positive, normalized; the token is
+    then distributed as p exactly. q None is a point mass on guess (a prompt-lookup draft): accept guess with its
+    probability p(guess), else draw from p without guess. Greedy rows accept guess only where it is the likeliest.
     """
     if guess is None or seq.params.greedy:
         return sample_row(logits, seq) if needs_processing(seq) else int(np.argmax(logits))
-    probs = _weights(_processed(logits, seq), seq)
-    if seq.rng.random() * probs.sum() < probs[guess]:
+    p = _weights(_processed(logits, seq), seq)
+    p /= p.sum()
+    if seq.rng.random() * (1.0 if q is None else q[guess]) < p[guess]:
         return guess
-    probs[guess] = 0.0
-    return _draw(probs, seq.rng)
+    if q is None:
+        p[guess] = 0.0
+        return _draw(p, seq.rng)
+    residual = np.maximum(p - q, 0.0)
+    # all zero only where p is q (up to rounding), where a rejection had no chance: p is then the residual's limit
+    return _draw(residual if residual.any() else p, seq.rng)
 
 
 def keep_top_p(probs: np.ndarray, top_p: float) -> None:

@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from edgeserve.engine.block_manager import BlockManager
 from edgeserve.engine.sequence import Sequence, SequenceStatus
 
@@ -27,6 +29,9 @@ class ScheduledSeq:
     num_new_tokens: int
     padding: bool = False  # a finished sequence held in a static batch: its last token, recomputed
     draft: list[int] = field(default_factory=list)  # guessed next tokens, checked in this step after its last token
+    # the draft model's distribution each guess of a sampled request was drawn from (empty: point masses)
+    draft_probs: list[np.ndarray] = field(default_factory=list)
+    model_draft: bool = False  # the draft model guessed the draft (else prompt lookup)
     ahead: bool = False  # the decode after the one running now, launched before that one's token reached the host
 
     @property
@@ -47,9 +52,11 @@ Proposer = Callable[[Sequence, int, int, int], list[int]]
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 static_batching: bool = False, propose: Proposer | None = None):
+                 static_batching: bool = False, propose: Proposer | None = None,
+                 on_free: Callable[[Sequence], None] | None = None):
         self.bm = block_manager
         self.propose = propose
+        self.on_free = on_free  # called whenever a sequence's blocks go back (it finished, was aborted or preempted)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.static_batching = static_batching
@@ -69,9 +76,14 @@ class Scheduler:
         held = [s for s in self.running if s.is_finished]
         return held[0] if held else max(self.running, key=lambda s: s.arrival_time)
 
+    def _free(self, seq: Sequence) -> None:
+        self.bm.free_seq(seq)
+        if self.on_free is not None:
+            self.on_free(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.bm.free_seq(seq)
+        self._free(seq)
         if seq.is_finished:  # a static batch's padding row leaves it; requeued it would run again
             return
         seq.status = SequenceStatus.WAITING
@@ -174,8 +186,8 @@ class Scheduler:
                 return
             for s in list(self.running):
                 self.running.remove(s)
-                self.bm.free_seq(s)
+                self._free(s)
             return
         if seq in self.running:
             self.running.remove(seq)
-        self.bm.free_seq(seq)
+        self._free(seq)

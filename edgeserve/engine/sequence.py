@@ -35,7 +35,8 @@ class Sequence:
     tier_cached_tokens: dict[str, int] = field(default_factory=dict)  # of those, loaded from each prefix-store tier
     prefix_diverged_at: int | None = None  # where the prompt left the longest cached prefix (None: it did not)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full, computed blocks
-    draft_state: DraftState = field(default_factory=DraftState)  # its speculative drafting record
+    draft_state: DraftState = field(default_factory=DraftState)  # its speculative drafting record: prompt lookup's
+    model_draft_state: DraftState = field(default_factory=DraftState)  # and the draft model's
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -2,7 +2,9 @@
 
 Prompt lookup (n-gram) drafting needs no second model: the last n tokens of a sequence are looked up in its
 prompt and output so far, and the tokens that followed their most recent earlier occurrence are the draft.
-A decode step then checks the draft in one pass (see LLMEngine): each guess is one more query row.
+A decode step then checks the draft in one pass (see LLMEngine): each guess is one more query row. A draft model
+(engine/drafter.py) guesses where no text repeats, at the cost of its own forward passes: the scheduler decides
+how long each sequence's draft is, and the draft model makes all of a step's drafts at once once it is scheduled.
 
 What a row costs depends on the machine and the batch: while a step is bound by reading the weights (one
 stream on a CPU, most batches on a GPU) extra rows are nearly free; a CPU step of a 1B model is compute-bound
@@ -10,7 +12,9 @@ from about two rows on, where each row costs about half a one-row step. So "auto
 a step's time against its rows as the engine runs, and each draft is as long as maximizes the step's expected
 tokens per second, given the sequence's measured acceptance (0 tokens, no draft, where none pays).
 
-Modes: "off"; "ngram" drafts whenever a match is found, as long as it may; "auto" as above.
+Modes: "off"; "ngram" drafts whenever a match is found, as long as it may; "draft" drafts with the draft model
+every step, as long as it may; "auto" as above, with the draft model where prompt lookup finds nothing worth
+checking, its time per guess counted in the step's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from edgeserve.config import SPECULATIVE_MODES
 from edgeserve.errors import EdgeserveError
 
 if TYPE_CHECKING:
+    from edgeserve.engine.drafter import DraftModel
     from edgeserve.engine.sequence import Sequence
 
 MAX_DRAFT = 8  # tokens one draft may hold
@@ -34,8 +39,10 @@ COST_WINDOW = 256  # recent steps the cost of a row is fit over
 MIN_SAMPLES = 3  # steps at each of two row counts before the fit is trusted
 EXPLORE_DRAFT = 2  # longest draft "auto" tries while the cost or a sequence's acceptance is not yet known
 EXPLORE_EVERY = 64  # steps between tries of a draft the estimates say does not pay, so they can change their mind
+HOPELESS_EVERY = 16 * EXPLORE_EVERY  # and where even guesses all right would not pay for the time they take to make
 FIRST_CHECKS = 2  # drafts each sequence may try before its acceptance is trusted
-DECAY = 0.9  # weight a sequence's acceptance record keeps at each of its steps with a draft to propose
+DECAY = 0.9  # weight an acceptance record keeps at each step with a draft to propose (a draft model's: each check)
+PENDING = -1  # a place in a draft the draft model fills once the step is scheduled (Speculator.propose)
 
 
 def check_mode(mode: str) -> str:
@@ -117,10 +124,14 @@ class DraftState:
 class Speculator:
     """Which sequences speculate, with which drafts, and what their acceptance and the steps' times teach."""
 
-    def __init__(self, mode: str = "off", max_draft: int = MAX_DRAFT, cost: StepCost | None = None):
+    def __init__(self, mode: str = "off", max_draft: int = MAX_DRAFT, cost: StepCost | None = None,
+                 drafter: DraftModel | None = None):
         self.mode = check_mode(mode)
+        if mode == "draft" and drafter is None:
+            raise EdgeserveError("speculative mode 'draft' needs a draft model (--draft-model)")
         self.max_draft = max_draft
         self.cost = cost or StepCost()
+        self.drafter = drafter
         self.drafted = 0  # every sequence's draft tokens so far
         self.accepted = 0
         self.verify_steps = 0  # sequence-steps that checked a draft
@@ -133,34 +144,65 @@ class Speculator:
     def propose(self, seq: Sequence, room: int, rows: int, decodes: int) -> list[int]:
         """A draft for seq's next decode step, of at most room tokens (the step's budget and the request's
         remaining length allowing); [] where it should decode one token as usual. rows: the step's query rows
-        without this draft (seq's own one counted); decodes: the sequences decoding in it."""
+        without this draft (seq's own one counted); decodes: the sequences decoding in it. A draft model's draft
+        is PENDING places, its room in the draft's pool taken: the model guesses them once the step is scheduled."""
         mode = self.mode_for(seq)
+        most = min(room, self.max_draft)
         if mode == "off":
             return []
-        draft = lookup_draft(seq.token_ids, min(room, self.max_draft))
-        if mode == "ngram" or not draft:
+        if mode == "draft":
+            return self._model_draft(seq, most)
+        draft = lookup_draft(seq.token_ids, most)
+        if mode == "ngram":
             return draft
-        state = seq.draft_state
-        state.hits, state.misses = state.hits * DECAY, state.misses * DECAY
-        lo, hi = max(1, rows // 2), 2 * (rows + self.max_draft)
-        line = self.cost.line(lo, hi)
-        k = 0 if line is None else best_draft(state.acceptance, len(draft), rows, decodes, line)
+        if draft and (k := self._length(seq.draft_state, len(draft), rows, decodes, 0.0)):
+            return draft[:k]
+        if self.drafter is None:
+            return []
+        return self._model_draft(seq, self._length(seq.model_draft_state, most, rows, decodes,
+                                                   self.drafter.seconds_per_guess, fade=False))
+
+    def _model_draft(self, seq: Sequence, k: int) -> list[int]:
+        """k places for the draft model to fill, where its pool has room for them."""
+        if k <= 0 or not self.drafter.reserve(seq, k):  # type: ignore[union-attr]
+            return []
+        return [PENDING] * k
+
+    def _length(self, state: DraftState, most: int, rows: int, decodes: int, per_guess: float | None,
+                fade: bool = True) -> int:
+        """How many of at most `most` guesses "auto" checks, given the drafter's acceptance record (state) and the
+        seconds it takes to make one guess (None: not yet timed, so only a try drafts, which times it). fade: the
+        record fades at this step (prompt lookup's; a draft model's fades at its checks, see record)."""
+        if fade:
+            state.hits, state.misses = state.hits * DECAY, state.misses * DECAY
+        line = self.cost.line(max(1, rows // 2), 2 * (rows + self.max_draft))
+        k = 0 if line is None or per_guess is None else best_draft(state.acceptance, most, rows, decodes, line,
+                                                                     per_guess)
         # an estimate that never drafts could never learn otherwise: now and then, one short draft in a step
-        # (while an estimate is missing, every other step, so the steps without it are timed too)
+        # (while an estimate is missing, every other step, so the steps without it are timed too); far more rarely
+        # where even guesses all right would not pay for the time they take to make (a draft model too slow here:
+        # its time is measured again only so that one slow measurement cannot turn it off for good)
         due = EXPLORE_EVERY if line is not None and state.checks >= FIRST_CHECKS else 2
+        if line is not None and per_guess is not None and best_draft(1.0, most, rows, decodes, line, per_guess) == 0:
+            due = HOPELESS_EVERY
         if k == 0 and self._since_try >= due:
             self._since_try = 0
-            k = min(EXPLORE_DRAFT, len(draft))
-        return draft[:k]
+            k = min(EXPLORE_DRAFT, most)
+        return k
 
     def observe(self, rows: int, seconds: float) -> None:
         """Record a step's model time and its query rows."""
         self.cost.observe(rows, seconds)
         self._since_try += 1
 
-    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """Count a checked draft: accepted guesses are hits, the first rejected one (if any) a miss."""
-        state = seq.draft_state
+    def record(self, seq: Sequence, drafted: int, accepted: int, by_model: bool = False) -> None:
+        """Count a checked draft (by_model: the draft model's): accepted guesses are hits, the first rejected one
+        (if any) a miss."""
+        state = seq.model_draft_state if by_model else seq.draft_state
+        if by_model:
+            # a draft model's acceptance changes little with the text, and where it does not pay it is checked only
+            # now and then: faded at every step, its record would forget it between two tries
+            state.hits, state.misses = state.hits * DECAY, state.misses * DECAY
         state.hits += accepted
         state.misses += accepted < drafted
         state.checks += 1
@@ -171,12 +213,15 @@ class Speculator:
         self.verify_steps += 1
 
 
-def best_draft(alpha: float, most: int, rows: int, decodes: int, line: tuple[float, float]) -> int:
-    """The draft length, 0..most, that maximizes the step's expected tokens per second under the cost line.
+def best_draft(alpha: float, most: int, rows: int, decodes: int, line: tuple[float, float],
+               per_guess: float = 0.0) -> int:
+    """The draft length, 0..most, that maximizes the step's expected tokens per second under the cost line, each
+    guess taking per_guess seconds more to make (a draft model's forward pass; prompt lookup's are free).
 
     The step without this draft is taken to give one token per decoding sequence in rows rows: drafts chosen
     earlier in the step count in its rows but not in its tokens, and prefill chunks scheduled after the decodes
     in neither, which both err toward drafting a little more than pays."""
     a, b = line
-    rates = [(decodes - 1 + expected_tokens(alpha, k)) / max(a + b * (rows + k), 1e-12) for k in range(most + 1)]
+    rates = [(decodes - 1 + expected_tokens(alpha, k)) / max(a + b * (rows + k) + per_guess * k, 1e-12)
+             for k in range(most + 1)]
     return int(np.argmax(rates))

@@ -10,6 +10,7 @@ import time
 
 PHASES = (
     "schedule",  # the scheduler and the block manager
+    "draft",  # a draft model's guesses for speculative decoding (its forward passes and draws)
     "batch",  # the step's NumPy arrays: tokens, positions, slots, block tables; pool copies and tier moves
     "graph",  # the forward pass: per-step device arrays and the lazy graph (MLX), or the computation (NumPy)
     "eval",  # evaluating the graph and bringing its results to the host

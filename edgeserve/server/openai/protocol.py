@@ -90,7 +90,7 @@ class _GenerationRequest(_Body):
     guided_regex: Text | None = None
     guided_grammar: Text | None = None
     # This request's speculative decoding (None: the server's --speculative).
-    speculative: Literal["auto", "ngram", "off"] | None = None
+    speculative: Literal["auto", "ngram", "draft", "off"] | None = None
 
     @field_validator("logit_bias")
     @classmethod
