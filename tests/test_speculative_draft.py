@@ -20,12 +20,13 @@ from edgeserve.cli.main import cli
 from edgeserve.config import EngineConfig
 from edgeserve.engine.block_manager import blocks_for
 from edgeserve.engine.llm_engine import LLMEngine
+from edgeserve.engine.prompts import Prompts
 from edgeserve.engine.sampler import check_guess
 from edgeserve.engine.sequence import Sequence
 from edgeserve.engine.speculative import EXPLORE_EVERY, MAX_DRAFT, PENDING, Speculator
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.loader import LoadedModel
-from edgeserve.sampling_params import SamplingParams
+from edgeserve.sampling_params import InvalidParamsError, SamplingParams
 from edgeserve.text.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -205,6 +206,10 @@ def test_draft_mode_needs_a_draft_model_with_the_same_vocabulary(tiny_model, spm
         make_engine(tiny_model, "draft")
     with pytest.raises(EdgeserveError, match="needs a draft model"):
         make_engine(tiny_model, "auto").add_request([5, 6], SamplingParams(speculative="draft"))
+    # the server's check before a request queues: a 400 naming the parameter, not an error once it runs
+    with pytest.raises(InvalidParamsError, match="needs a draft model") as info:
+        Prompts.for_engine(make_engine(tiny_model, "auto")).compile_grammar(SamplingParams(speculative="draft"))
+    assert info.value.param == "speculative"
     other = dataclasses.replace(tiny_model, tokenizer=Tokenizer.from_dir(spm_model[0]))  # a SentencePiece vocabulary
     with pytest.raises(EdgeserveError, match="another vocabulary"):
         draft_engine(tiny_model, other)

@@ -110,6 +110,7 @@ class EngineInfo:
     model_format: str  # "gguf", "safetensors" or "mlx"
     num_parameters: int
     quantization: str  # e.g. "Q4_1 (4-bit, group 32) + Q8_0 embeddings"
+    draft_model: str | None = None  # the draft model's name, where speculative decoding has one
 
     def check_prompt(self, prompt_ids: list[int], scored_only: bool = False) -> None:
         """Raise PromptTooLongError when the prompt cannot run even alone (with room for a token after
@@ -166,7 +167,8 @@ class LLMEngine:
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, block_size=self.pool_size.block_size,
             num_blocks=self.pool_size.num_blocks, memory_bytes=self._memory_bytes(),
             sampling_defaults=model.sampling_defaults, architecture=model.args.model_type, model_format=model.format,
-            num_parameters=model.num_parameters, quantization=model.quantization())
+            num_parameters=model.num_parameters, quantization=model.quantization(),
+            draft_model=self.drafter.model.source.name if self.drafter is not None else None)
         self.constraints = Constraints(self.tokenizer, self.vocab_size)
         self._ids = itertools.count()
         self._stats = EngineStats()

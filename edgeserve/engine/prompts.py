@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from edgeserve.engine.constraints import Constraints
 from edgeserve.engine.llm_engine import EngineInfo, LLMEngine
-from edgeserve.sampling_params import SamplingParams
+from edgeserve.sampling_params import InvalidParamsError, SamplingParams
 from edgeserve.text.chat_template import ChatTemplate
 from edgeserve.text.tokenizer import Tokenizer
 from edgeserve.text.tool_calls import ToolCallFormat
@@ -63,4 +63,7 @@ class Prompts:
         """Check params against the model's vocabulary and compile their grammar, if any, into the engine's cache
         (so the engine thread finds it compiled); InvalidParamsError, naming the parameter, where either fails."""
         params.check_vocab(self.info.vocab_size)
+        if params.speculative == "draft" and self.info.draft_model is None:
+            raise InvalidParamsError("speculative 'draft' needs a draft model, and this model is served without one "
+                                     "(--draft-model)", "speculative")
         self._grammars.compile(params)
