@@ -224,6 +224,12 @@ static inline AVX512_TARGET __attribute__((always_inline)) __m512i hi_at4_512(__
     return move_bits512(h, s, 4);
 }
 
+/* 16 scales (float16 or float32) from index i of a: load_scale for a whole panel. */
+static inline AVX512_TARGET __attribute__((always_inline)) __m512 load_scales512(const void *a, size_t i, int f16) {
+    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a + i)))
+               : _mm512_loadu_ps((const float *)a + i);
+}
+
 /* The scale s and bias b of group g for the 16 columns of panel p (avx2_group_scales on a whole panel). */
 static inline AVX512_TARGET __attribute__((always_inline)) void
 avx512_group_scales(const Task *t, int p, int g, __m512 *s, __m512 *b) {
@@ -231,22 +237,12 @@ avx512_group_scales(const Task *t, int p, int g, __m512 *s, __m512 *b) {
     const size_t so = ((size_t)p * (K / G) + g) * PANEL;
     if (t->kq) {
         const size_t dofs = ((size_t)p * (K / 256) + g * G / 256) * PANEL;
-        __m512 dd, dm;
-        if (t->f16) {
-            dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->scales + dofs)));
-            dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->biases + dofs)));
-        } else {
-            dd = _mm512_loadu_ps((const float *)t->scales + dofs);
-            dm = _mm512_loadu_ps((const float *)t->biases + dofs);
-        }
+        const __m512 dd = load_scales512(t->scales, dofs, t->f16), dm = load_scales512(t->biases, dofs, t->f16);
         *s = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t->ksc + so)))));
         *b = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t->km + so)))));
-    } else if (t->f16) {
-        *s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->scales + so)));
-        *b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->biases + so)));
     } else {
-        *s = _mm512_loadu_ps((const float *)t->scales + so);
-        *b = _mm512_loadu_ps((const float *)t->biases + so);
+        *s = load_scales512(t->scales, so, t->f16);
+        *b = load_scales512(t->biases, so, t->f16);
     }
 }
 
@@ -367,6 +363,12 @@ static AVX512_TARGET void kernel_avx512(const Task *t, int p0, int p1, int r0, i
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
+/* 8 scales (float16 or float32) from index i of a: load_scale for half a panel. */
+static inline AVX2_TARGET __attribute__((always_inline)) __m256 load_scales256(const void *a, size_t i, int f16) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)a + i)))
+               : _mm256_loadu_ps((const float *)a + i);
+}
+
 /* The scale s and bias b of group g for half h (8 columns) of panel p; K-quants multiply their int8
    group scales and mins by the super-block's d and dmin. */
 static inline AVX2_TARGET __attribute__((always_inline)) void
@@ -375,22 +377,12 @@ avx2_group_scales(const Task *t, int p, int g, int h, __m256 *s, __m256 *b) {
     size_t so = ((size_t)p * (K / G) + g) * PANEL + 8 * h;
     if (t->kq) {
         size_t dofs = ((size_t)p * (K / 256) + g * G / 256) * PANEL + 8 * h;
-        __m256 dd, dm;
-        if (t->f16) {
-            dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->scales + dofs)));
-            dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->biases + dofs)));
-        } else {
-            dd = _mm256_loadu_ps((const float *)t->scales + dofs);
-            dm = _mm256_loadu_ps((const float *)t->biases + dofs);
-        }
+        const __m256 dd = load_scales256(t->scales, dofs, t->f16), dm = load_scales256(t->biases, dofs, t->f16);
         *s = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t->ksc + so)))));
         *b = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t->km + so)))));
-    } else if (t->f16) {
-        *s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->scales + so)));
-        *b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->biases + so)));
     } else {
-        *s = _mm256_loadu_ps((const float *)t->scales + so);
-        *b = _mm256_loadu_ps((const float *)t->biases + so);
+        *s = load_scales256(t->scales, so, t->f16);
+        *b = load_scales256(t->biases, so, t->f16);
     }
 }
 
@@ -773,14 +765,7 @@ avx2_super_block_end(const Task *t, int p, int h, int sbk, int r0, const __m256i
                      const int G) {
     const int ng = t->K / G, nsb = t->K / 256;
     const size_t dofs = ((size_t)p * nsb + sbk) * PANEL + 8 * h;
-    __m256 dd, dm;
-    if (t->f16) {
-        dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->scales + dofs)));
-        dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->biases + dofs)));
-    } else {
-        dd = _mm256_loadu_ps((const float *)t->scales + dofs);
-        dm = _mm256_loadu_ps((const float *)t->biases + dofs);
-    }
+    const __m256 dd = load_scales256(t->scales, dofs, t->f16), dm = load_scales256(t->biases, dofs, t->f16);
     __m256i mins[8];
     for (int r = 0; r < RB; r++) mins[r] = _mm256_setzero_si256();
     for (int g = sbk * (256 / G); g < (sbk + 1) * (256 / G); g += 2) {
@@ -1072,14 +1057,7 @@ avx512_tile_sb(const Task *t, int p, int r0, const int RB, const int HB) {
             }
         }
         const size_t dofs = ((size_t)p * nsb + sbk) * PANEL;
-        __m512 dd, dm;
-        if (t->f16) {
-            dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->scales + dofs)));
-            dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->biases + dofs)));
-        } else {
-            dd = _mm512_loadu_ps((const float *)t->scales + dofs);
-            dm = _mm512_loadu_ps((const float *)t->biases + dofs);
-        }
+        const __m512 dd = load_scales512(t->scales, dofs, t->f16), dm = load_scales512(t->biases, dofs, t->f16);
         for (int r = 0; r < RB; r++) {
             const __m512 xd = _mm512_set1_ps(t->xd[(size_t)(r0 + r) * nsb + sbk]);
             const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(dd, xd), facc[r]);
