@@ -29,7 +29,7 @@ from edgeserve.engine.speculative import PENDING, Speculator
 from edgeserve.engine.step_profile import StepProfile
 from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.models.loader import LoadedModel, load_model, model_fingerprint
-from edgeserve.sampling_params import SamplingDefaults, SamplingParams
+from edgeserve.sampling_params import InvalidParamsError, SamplingDefaults, SamplingParams
 
 # An embedding from a prompt's final hidden states [tokens, hidden], by the model's pooling (LoadedModel.pooling)
 POOLING = {"mean": lambda rows: rows.mean(axis=0), "cls": lambda rows: rows[0], "last": lambda rows: rows[-1]}
@@ -111,6 +111,14 @@ class EngineInfo:
     num_parameters: int
     quantization: str  # e.g. "Q4_1 (4-bit, group 32) + Q8_0 embeddings"
     draft_model: str | None = None  # the draft model's name, where speculative decoding has one
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise InvalidParamsError, naming the parameter, where params ask for what this engine lacks: token ids
+        outside its vocabulary, or drafting with a draft model it was built without."""
+        params.check_vocab(self.vocab_size)
+        if params.speculative == "draft" and self.draft_model is None:
+            raise InvalidParamsError("speculative 'draft' needs a draft model, and this model is served without one "
+                                     "(--draft-model)", "speculative")
 
     def check_prompt(self, prompt_ids: list[int], scored_only: bool = False) -> None:
         """Raise PromptTooLongError when the prompt cannot run even alone (with room for a token after
@@ -263,9 +271,7 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
-        params.check_vocab(self.vocab_size)
-        if params.speculative == "draft" and self.drafter is None:
-            raise EdgeserveError("speculative 'draft' needs a draft model, and this engine has none")
+        self.info.check_params(params)
         ids = self.tokenize_prompt(prompt)
         self.check_prompt(ids)
         request_id = request_id or f"req-{next(self._ids)}"

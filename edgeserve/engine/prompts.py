@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from edgeserve.engine.constraints import Constraints
 from edgeserve.engine.llm_engine import EngineInfo, LLMEngine
-from edgeserve.sampling_params import InvalidParamsError, SamplingParams
+from edgeserve.sampling_params import SamplingParams
 from edgeserve.text.chat_template import ChatTemplate
 from edgeserve.text.tokenizer import Tokenizer
 from edgeserve.text.tool_calls import ToolCallFormat
@@ -62,8 +62,5 @@ class Prompts:
     def compile_grammar(self, params: SamplingParams) -> None:
         """Check params against the model's vocabulary and compile their grammar, if any, into the engine's cache
         (so the engine thread finds it compiled); InvalidParamsError, naming the parameter, where either fails."""
-        params.check_vocab(self.info.vocab_size)
-        if params.speculative == "draft" and self.info.draft_model is None:
-            raise InvalidParamsError("speculative 'draft' needs a draft model, and this model is served without one "
-                                     "(--draft-model)", "speculative")
+        self.info.check_params(params)
         self._grammars.compile(params)
