@@ -786,8 +786,9 @@ INLINE void silu_mul_rows(const OpsTask *t, int r0, int r1) {
     }
 
 #ifdef QM_X86
-/* The portable rows built for each target; OPS_ITEM_FNS_GATE's gated multiplies have AVX2 rows of their
-   own (op##_rows_avx2), since gcc does not vectorize exp_poly's clamps for AVX2 (it does for AVX-512). */
+/* The portable rows built for each target; OPS_ITEM_FNS_GATE's gated multiplies have SIMD rows of their
+   own (op##_rows_avx2, op##_rows_avx512): gcc does not vectorize exp_poly's clamps for AVX2, and for
+   AVX-512 it did with two divisions, 8x slower than the AVX2 rows on the same CPU. */
 #define OPS_ITEM_FNS(op)                         \
     OPS_ITEM_FN(op##_generic, op##_rows, )       \
     OPS_ITEM_FN(op##_avx2, op##_rows, AVX2_OPS)  \
@@ -795,24 +796,40 @@ INLINE void silu_mul_rows(const OpsTask *t, int r0, int r1) {
 #define OPS_ITEM_FNS_GATE(op)                        \
     OPS_ITEM_FN(op##_generic, op##_rows, )           \
     OPS_ITEM_FN(op##_avx2, op##_rows_avx2, AVX2_OPS) \
-    OPS_ITEM_FN(op##_avx512, op##_rows, AVX512_TARGET)
+    OPS_ITEM_FN(op##_avx512, op##_rows_avx512, AVX512_TARGET)
 #define OPS_PICK(op) (qm_isa_level() == 2 ? op##_avx512 : qm_isa_level() == 1 ? op##_avx2 : op##_generic)
 
-/* gate | up rows -> g / (1 + exp(arg)) * up: 8 lanes at a time, the rest by op##_one */
-#define GATED_ROWS_AVX2(op, arg)                                                                   \
+/* gate | up rows -> g / (1 + exp(op##_arg(g))) * up, a vector at a time (op##_arg256 / op##_arg512),
+   the rest by op##_one */
+#define GATED_ROWS(op)                                                                                       \
     static inline AVX2_OPS __attribute__((always_inline)) void op##_rows_avx2(const OpsTask *t, int r0, int r1) { \
-        const int F = t->cols, F8 = F & ~7;                                                        \
-        const __m256 one = _mm256_set1_ps(1.f);                                                    \
-        for (int r = r0; r < r1; r++) {                                                            \
-            const float *gr = t->x + (size_t)r * t->x_row, *u = gr + F;                            \
-            float *o = t->out + (size_t)r * t->out_row;                                            \
-            for (int k = 0; k < F8; k += 8) {                                                      \
-                const __m256 g = _mm256_loadu_ps(gr + k);                                          \
-                const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp256(arg)));                \
-                _mm256_storeu_ps(o + k, _mm256_mul_ps(s, _mm256_loadu_ps(u + k)));               \
-            }                                                                                      \
-            for (int k = F8; k < F; k++) o[k] = op##_one(gr[k], u[k]);                             \
-        }                                                                                          \
+        const int F = t->cols, F8 = F & ~7;                                                                  \
+        const __m256 one = _mm256_set1_ps(1.f);                                                              \
+        for (int r = r0; r < r1; r++) {                                                                      \
+            const float *gr = t->x + (size_t)r * t->x_row, *u = gr + F;                                      \
+            float *o = t->out + (size_t)r * t->out_row;                                                      \
+            for (int k = 0; k < F8; k += 8) {                                                                \
+                const __m256 g = _mm256_loadu_ps(gr + k);                                                    \
+                const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp256(op##_arg256(g))));               \
+                _mm256_storeu_ps(o + k, _mm256_mul_ps(s, _mm256_loadu_ps(u + k)));                          \
+            }                                                                                                \
+            for (int k = F8; k < F; k++) o[k] = op##_one(gr[k], u[k]);                                       \
+        }                                                                                                    \
+    }                                                                                                        \
+    static inline AVX512_TARGET __attribute__((always_inline)) void op##_rows_avx512(const OpsTask *t, int r0, \
+                                                                                     int r1) {               \
+        const int F = t->cols, F16 = F & ~15;                                                                \
+        const __m512 one = _mm512_set1_ps(1.f);                                                              \
+        for (int r = r0; r < r1; r++) {                                                                      \
+            const float *gr = t->x + (size_t)r * t->x_row, *u = gr + F;                                      \
+            float *o = t->out + (size_t)r * t->out_row;                                                      \
+            for (int k = 0; k < F16; k += 16) {                                                              \
+                const __m512 g = _mm512_loadu_ps(gr + k);                                                    \
+                const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp512(op##_arg512(g))));               \
+                _mm512_storeu_ps(o + k, _mm512_mul_ps(s, _mm512_loadu_ps(u + k)));                          \
+            }                                                                                                \
+            for (int k = F16; k < F; k++) o[k] = op##_one(gr[k], u[k]);                                      \
+        }                                                                                                    \
     }
 #else
 #define OPS_ITEM_FNS(op) OPS_ITEM_FN(op##_generic, op##_rows, )
@@ -823,7 +840,13 @@ INLINE void silu_mul_rows(const OpsTask *t, int r0, int r1) {
 OPS_ITEM_FNS(rms_norm)
 OPS_ITEM_FNS(rope)
 #ifdef QM_X86
-GATED_ROWS_AVX2(silu_mul, _mm256_sub_ps(_mm256_setzero_ps(), g))
+static inline AVX2_OPS __attribute__((always_inline)) __m256 silu_mul_arg256(__m256 g) {
+    return _mm256_sub_ps(_mm256_setzero_ps(), g);
+}
+static inline AVX512_TARGET __attribute__((always_inline)) __m512 silu_mul_arg512(__m512 g) {
+    return _mm512_sub_ps(_mm512_setzero_ps(), g);
+}
+GATED_ROWS(silu_mul)
 #endif
 OPS_ITEM_FNS_GATE(silu_mul)
 
@@ -1148,9 +1171,16 @@ INLINE void head_rms_norm_rows(const OpsTask *t, int r0, int r1) {
 }
 
 #ifdef QM_X86
-GATED_ROWS_AVX2(gelu_tanh_mul, _mm256_mul_ps(_mm256_set1_ps(-1.5957691216f),
-                                             _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g),
-                                                             _mm256_mul_ps(g, g), g)))
+/* -2u of gelu_tanh_mul_one */
+static inline AVX2_OPS __attribute__((always_inline)) __m256 gelu_tanh_mul_arg256(__m256 g) {
+    return _mm256_mul_ps(_mm256_set1_ps(-1.5957691216f),
+                         _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
+}
+static inline AVX512_TARGET __attribute__((always_inline)) __m512 gelu_tanh_mul_arg512(__m512 g) {
+    return _mm512_mul_ps(_mm512_set1_ps(-1.5957691216f),
+                         _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g));
+}
+GATED_ROWS(gelu_tanh_mul)
 #endif
 OPS_ITEM_FNS_GATE(gelu_tanh_mul)
 OPS_ITEM_FNS(head_rms_norm)
