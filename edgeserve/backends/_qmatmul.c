@@ -1014,10 +1014,11 @@ avx512_tile8(const Task *t, int p, int r0, const int RB, const int BITS, const i
 
 /* What the row tiles of an item share of one super-block (256 k) of panel p: sc each group's int8 scale
    as float lanes, m two groups' mins as int16 pairs, and, for Q5_K and Q6_K when the item has more
-   than one tile (PRE), w: the weights as bytes ready for vpdpbusd (w[2 * word] and w[2 * word + 1] the
-   word's low and high nibbles with their high bits), unpacked once for all the tiles. Their unpack
-   takes five shifts a word, on the port vpdpbusd needs: once per 64 rows instead of once per 4, Q6_K
-   prompts ran 1.4-1.5x faster; Q4_K's two-instruction unpack gains nothing from it. */
+   than one tile (PRE; Q4_K from five tiles), w: the weights as bytes ready for vpdpbusd (w[2 * word]
+   and w[2 * word + 1] the word's low and high nibbles with their high bits), unpacked once for all the
+   tiles. The unpack's shifts run on the port vpdpbusd needs (five a word for Q6_K, one for Q4_K):
+   paid once per 64 rows instead of once per 4, Q6_K matmuls of 512 rows ran 1.4-1.5x faster and
+   Q4_K's 3-10%; at 16 rows Q4_K's store and reload cost more than the shift. */
 typedef struct SuperBlock {
     __m512i w[64], m[8];
     __m512 sc[16];
@@ -1145,7 +1146,8 @@ avx512_panel_sb(const Task *t, int p, int r0, int r1, const int HB, const int PR
     for (int r = r0; r < r1; r++) avx512_store(t, p, r, facc + (r - r0), 1);
 }
 static AVX512_TARGET __attribute__((noinline)) void avx512_panel_sb_q4k(const Task *t, int p, int r0, int r1) {
-    avx512_panel_sb(t, p, r0, r1, 0, 0);
+    if (r1 - r0 > 16) avx512_panel_sb(t, p, r0, r1, 0, 1);
+    else avx512_panel_sb(t, p, r0, r1, 0, 0);
 }
 static AVX512_TARGET __attribute__((noinline)) void avx512_panel_sb_q5k(const Task *t, int p, int r0, int r1) {
     if (r1 - r0 > 4) avx512_panel_sb(t, p, r0, r1, 1, 1);
