@@ -530,6 +530,26 @@ static inline AVX512_TARGET __attribute__((always_inline)) __m512 dot_vec(const 
     return _mm512_add_ps(d0, d1);
 }
 
+/* acc[g] = alpha[g] acc[g] + sum_i sc[g][i] V[i] for heads g0..g0+GN-1 (GN * HV <= 16): the sums of
+   all GN heads in registers, so each V row is loaded once for them, with GN * HV independent chains. */
+static inline AVX512_TARGET __attribute__((always_inline)) void
+att_weighted_v512(float (*acc)[ATT_MAX_HD], float (*sc)[ATT_TILE], const float *alpha, const float *const *vr, int nt,
+                  int g0, const int GN, const int HV) {
+    __m512 a[16];
+    for (int g = 0; g < GN; g++) {
+        const __m512 al = _mm512_set1_ps(alpha[g0 + g]);
+        for (int j = 0; j < HV; j++) a[g * HV + j] = _mm512_mul_ps(_mm512_load_ps(acc[g0 + g] + 16 * j), al);
+    }
+    for (int i = 0; i < nt; i++)
+        for (int j = 0; j < HV; j++) {
+            const __m512 v = _mm512_loadu_ps(vr[i] + 16 * j);
+            for (int g = 0; g < GN; g++)
+                a[g * HV + j] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g0 + g][i]), v, a[g * HV + j]);
+        }
+    for (int g = 0; g < GN; g++)
+        for (int j = 0; j < HV; j++) _mm512_store_ps(acc[g0 + g] + 16 * j, a[g * HV + j]);
+}
+
 /* One item, head_dim = 16 * HV (HV >= 2; a constant where inlined, so q and the accumulators of
    a head live in registers). */
 static inline AVX512_TARGET __attribute__((always_inline)) void att_item_avx512_body(const AttTask *t, const AttItem *it,
@@ -537,11 +557,12 @@ static inline AVX512_TARGET __attribute__((always_inline)) void att_item_avx512_
     const int hd = 16 * HV, nh = it->nh;
     float acc[ATT_GROUP][ATT_MAX_HD] __attribute__((aligned(64)));
     float sc[ATT_GROUP][ATT_TILE] __attribute__((aligned(64)));
-    float m[ATT_GROUP], l[ATT_GROUP];
+    float m[ATT_GROUP], l[ATT_GROUP], alpha[ATT_GROUP];
     size_t offs[2][ATT_TILE];
     const float *kr[ATT_TILE], *vr[ATT_TILE];
     float kbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd], vbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd];
     __m512 qs[ATT_GROUP][ATT_MAX_HD / 16];
+    const int VH = HV >= 16 ? 1 : 16 / HV; /* heads whose V sums fit 16 registers */
     const __m512 scale = _mm512_set1_ps(t->scale);
     for (int g = 0; g < nh; g++) {
         const float *qr = t->q + (size_t)it->s * t->q_row + (size_t)(it->h0 + g) * hd;
@@ -583,33 +604,15 @@ static inline AVX512_TARGET __attribute__((always_inline)) void att_item_avx512_
                 _mm512_storeu_ps(sc[g] + i, p);
                 sum = _mm512_add_ps(sum, p);
             }
-            const float alpha = exp_poly(m[g] - mx);
+            alpha[g] = exp_poly(m[g] - mx);
             m[g] = mx;
-            l[g] = l[g] * alpha + _mm512_reduce_add_ps(sum);
-            /* weighted V rows: two keys at a time on separate accumulators, so that with 4 vectors
-               per head the FMAs still have 8 independent chains */
-            __m512 a[ATT_MAX_HD / 16], b[ATT_MAX_HD / 16];
-            const __m512 al = _mm512_set1_ps(alpha);
-            for (int j = 0; j < HV; j++) {
-                a[j] = _mm512_mul_ps(_mm512_load_ps(acc[g] + 16 * j), al);
-                b[j] = _mm512_setzero_ps();
-            }
-            int i = 0;
-            for (; i + 2 <= nt; i += 2) {
-                const float *v0 = vr[i], *v1 = vr[i + 1];
-                const __m512 p0 = _mm512_set1_ps(sc[g][i]), p1 = _mm512_set1_ps(sc[g][i + 1]);
-                for (int j = 0; j < HV; j++) {
-                    a[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * j), a[j]);
-                    b[j] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * j), b[j]);
-                }
-            }
-            if (i < nt) {
-                const float *v0 = vr[i];
-                const __m512 p0 = _mm512_set1_ps(sc[g][i]);
-                for (int j = 0; j < HV; j++) a[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * j), a[j]);
-            }
-            for (int j = 0; j < HV; j++) _mm512_store_ps(acc[g] + 16 * j, _mm512_add_ps(a[j], b[j]));
+            l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(sum);
         }
+        /* weighted V rows, VH heads at a time: each V row read once for them (it was read once per head, and
+           the loads bound a prompt's attention) */
+        int g = 0;
+        for (; g + VH <= nh; g += VH) att_weighted_v512(acc, sc, alpha, vr, nt, g, VH, HV);
+        for (; g < nh; g++) att_weighted_v512(acc, sc, alpha, vr, nt, g, 1, HV);
         nt = n_next;
     }
     att_finish(t, it, acc, m, l);
