@@ -802,38 +802,26 @@ INLINE void silu_mul_rows(const OpsTask *t, int r0, int r1) {
     OPS_ITEM_FN(op##_avx512, op##_rows_avx512, AVX512_TARGET)
 #define OPS_PICK(op) (qm_isa_level() == 2 ? op##_avx512 : qm_isa_level() == 1 ? op##_avx2 : op##_generic)
 
-/* gate | up rows -> g / (1 + exp(op##_arg(g))) * up, a vector at a time (op##_arg256 / op##_arg512),
-   the rest by op##_one */
-#define GATED_ROWS(op)                                                                                       \
-    static inline AVX2_OPS __attribute__((always_inline)) void op##_rows_avx2(const OpsTask *t, int r0, int r1) { \
-        const int F = t->cols, F8 = F & ~7;                                                                  \
-        const __m256 one = _mm256_set1_ps(1.f);                                                              \
+/* gate | up rows -> g / (1 + exp(op##_argW(g))) * up, W / 32 lanes at a time (W 256 or 512: the intrinsics'
+   width in their names), the rest by op##_one */
+#define GATED_ROWS_W(op, W, LANES, TARGET, isa)                                                              \
+    static inline TARGET __attribute__((always_inline)) void op##_rows_##isa(const OpsTask *t, int r0, int r1) { \
+        const int F = t->cols, FV = F & ~(LANES - 1);                                                        \
+        const __m##W one = _mm##W##_set1_ps(1.f);                                                            \
         for (int r = r0; r < r1; r++) {                                                                      \
             const float *gr = t->x + (size_t)r * t->x_row, *u = gr + F;                                      \
             float *o = t->out + (size_t)r * t->out_row;                                                      \
-            for (int k = 0; k < F8; k += 8) {                                                                \
-                const __m256 g = _mm256_loadu_ps(gr + k);                                                    \
-                const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp256(op##_arg256(g))));               \
-                _mm256_storeu_ps(o + k, _mm256_mul_ps(s, _mm256_loadu_ps(u + k)));                          \
+            for (int k = 0; k < FV; k += LANES) {                                                            \
+                const __m##W g = _mm##W##_loadu_ps(gr + k);                                                  \
+                const __m##W s = _mm##W##_div_ps(g, _mm##W##_add_ps(one, exp##W(op##_arg##W(g))));          \
+                _mm##W##_storeu_ps(o + k, _mm##W##_mul_ps(s, _mm##W##_loadu_ps(u + k)));                    \
             }                                                                                                \
-            for (int k = F8; k < F; k++) o[k] = op##_one(gr[k], u[k]);                                       \
-        }                                                                                                    \
-    }                                                                                                        \
-    static inline AVX512_TARGET __attribute__((always_inline)) void op##_rows_avx512(const OpsTask *t, int r0, \
-                                                                                     int r1) {               \
-        const int F = t->cols, F16 = F & ~15;                                                                \
-        const __m512 one = _mm512_set1_ps(1.f);                                                              \
-        for (int r = r0; r < r1; r++) {                                                                      \
-            const float *gr = t->x + (size_t)r * t->x_row, *u = gr + F;                                      \
-            float *o = t->out + (size_t)r * t->out_row;                                                      \
-            for (int k = 0; k < F16; k += 16) {                                                              \
-                const __m512 g = _mm512_loadu_ps(gr + k);                                                    \
-                const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp512(op##_arg512(g))));               \
-                _mm512_storeu_ps(o + k, _mm512_mul_ps(s, _mm512_loadu_ps(u + k)));                          \
-            }                                                                                                \
-            for (int k = F16; k < F; k++) o[k] = op##_one(gr[k], u[k]);                                      \
+            for (int k = FV; k < F; k++) o[k] = op##_one(gr[k], u[k]);                                       \
         }                                                                                                    \
     }
+#define GATED_ROWS(op)                                  \
+    GATED_ROWS_W(op, 256, 8, AVX2_OPS, avx2)            \
+    GATED_ROWS_W(op, 512, 16, AVX512_TARGET, avx512)
 #else
 #define OPS_ITEM_FNS(op) OPS_ITEM_FN(op##_generic, op##_rows, )
 #define OPS_ITEM_FNS_GATE(op) OPS_ITEM_FNS(op)
