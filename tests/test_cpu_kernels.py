@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgeserve.backends import cpu_kernels, qmatmul
+from edgeserve.backends import cpu_kernels, kv_formats, qmatmul
 from edgeserve.backends.numpy_backend import NumpyBackend, NumpyMeta
 from edgeserve.batch import random_paged_batch
 
@@ -93,6 +93,40 @@ def test_attention_window_matches_numba_and_plain_attention(isa, threads, window
     np.testing.assert_allclose(out, dense_causal_attention(q, k, v, batch, window), atol=2e-5, rtol=0)
     if window < 1000:
         assert np.abs(out[5] - numba_attention(q, k, v, tables, ctx)[5]).max() > 1e-3  # the window matters
+
+
+def prompt_rows_case(seed: int, n_kv: int, group: int, head_dim: int, kv_dtype: str = "float32"):
+    """A step of prompt chunks (their rows share a block table, one more key each: 40 rows crossing the
+    256-key range edge, 20 rows from 490, a 3-row speculative check) and single decode rows between them."""
+    rng = np.random.default_rng(seed)
+    bs, rows = 16, []
+    for context, n in [(120, 1), (275, 40), (33, 1), (510, 20), (700, 1), (9, 3)]:
+        table = rng.permutation(64)[: (context + bs - 1) // bs]
+        rows += [(table, context - n + 1 + i) for i in range(n)]
+    tables = np.zeros((len(rows), 64), np.int64)
+    for i, (table, _) in enumerate(rows):
+        tables[i, : len(table)] = table
+    q = (rng.standard_normal((len(rows), n_kv * group, head_dim)) * 3.0).astype(np.float32)
+    k, v = (kv_formats.store(rng.standard_normal((64, bs, n_kv, head_dim)).astype(np.float32), kv_dtype)
+            for _ in range(2))
+    return q, k, v, tables, np.array([n for _, n in rows], np.int64)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("n_kv,group,head_dim,window", [(3, 3, 64, 0), (2, 4, 128, 0), (1, 16, 64, 0), (2, 2, 64, 300)])
+def test_prompt_rows_give_each_rows_own_bits(isa, threads, kv_dtype, n_kv, group, head_dim, window):
+    """A prompt's rows are run together (their keys copied once for all of them), and each row's output is
+    the bits it gets alone: a prompt answers the same beside other requests, after a prefix hit or when its
+    tokens come one at a time, and a speculative check gives the decode rows' logits."""
+    q, k, v, tables, ctx = prompt_rows_case(head_dim + group, n_kv, group, head_dim, kv_dtype)
+    out = np.full_like(q, np.nan)
+    assert ext.attention(q, k, v, tables, ctx, out, 1 / np.sqrt(head_dim), window)
+    for i in range(len(ctx)):
+        alone = np.full_like(q[i : i + 1], np.nan)
+        assert ext.attention(q[i : i + 1], k, v, tables[i : i + 1], ctx[i : i + 1], alone, 1 / np.sqrt(head_dim), window)
+        np.testing.assert_array_equal(out[i : i + 1], alone, err_msg=f"row {i}, {ctx[i]} keys")
+    want = numba_attention(q, kv_formats.load(k, head_dim), kv_formats.load(v, head_dim), tables, ctx, window)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=0)
 
 
 @needs_ext

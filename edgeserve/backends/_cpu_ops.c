@@ -14,6 +14,13 @@ row's own length only, a row's result is the same bits whatever else is in the b
 gives the same answer alone, beside other requests, or after a prefix-cache hit). exp is a polynomial (Cephes' expf, ~1 ulp) that vectorizes: libm's expf per
 score costs more than the dot product it follows.
 
+A prompt's consecutive rows (and a speculating sequence's guesses) read the same keys: up to ATT_BLOCK of
+them make one item, which first copies its key range's K and V rows, as float32, into its thread's stage,
+contiguous, then runs each row over the copy. A head's keys lie n_kv * head_dim apart in the pool (4 KiB
+for 8 heads of 128): read in place by every row, they fell in a few cache sets and evicted each other,
+and a 512-token prompt's attention ran at a tenth of the FMA rate. Each row's arithmetic is the one-row
+kernel's, in the same order, so its bits do not depend on the rows beside it.
+
 A pool holds float32, float16 or int8 heads (see QM_KV_* in _qmatmul.h). The kernels compute in
 float32: a float32 tile is read in place, a float16 or int8 one is converted once into a float32
 tile on the stack (in L1) and then serves all the item's query heads, so the pool is read at half
@@ -34,6 +41,7 @@ and third time inside AVX2 and AVX-512 target functions for the small ops on x86
 #define ATT_GROUP 8    /* query heads per item at most (bounds the item's stack buffers) */
 #define ATT_MAX_HD QM_MAX_HEAD_DIM
 #define ATT_SPLIT 256  /* keys per range: shorter ones cost more in merging than they gain; a multiple of ATT_TILE */
+#define ATT_BLOCK 16   /* rows of one prompt per item at most */
 #define LANES 16
 #define INLINE static inline __attribute__((always_inline))
 
@@ -65,21 +73,32 @@ INLINE float exp_poly(float x) {
 
 /* ---- decode attention ---- */
 
+/* One row's share of an item, what the kernels run. */
 typedef struct {
-    int s, kv, h0, nh; /* sequence, KV head, its query heads h0..h0+nh-1 */
+    int s, kv, h0, nh; /* row, KV head, its query heads h0..h0+nh-1 */
     int t0, t1;        /* keys */
-    int slot;          /* partial result slot, or -1: the item writes out itself */
+    int slot;          /* partial result slot, or -1: the row writes out itself */
 } AttItem;
+
+/* A work item: rows s..s+nr-1 (consecutive rows of one prompt when nr > 1), KV head kv, query heads
+   h0..h0+nh-1, key range k of each row. */
+typedef struct {
+    int s, nr, kv, h0, nh, k;
+} AttBlock;
 
 typedef struct {
     const float *q;
     const char *k, *v; /* pools of kv_type, addressed in bytes */
     const int64_t *bt;
     float *out, *part;
-    const AttItem *items;
+    float *stage;             /* per thread (qm_worker_index): a block's K and V rows, 2 * ATT_SPLIT * hd floats */
+    const AttBlock *items;
+    const int64_t *lens;
+    const int *slot_base;     /* a row's first partial slot (rows of one range have none) */
     Py_ssize_t q_row, bt_row; /* elements between rows of q and of block_tables */
     size_t head_bytes;        /* one KV head in the pool */
     int H, hd, bs, n_kv, slot_floats, kv_type, n_items;
+    int sub, subs;            /* query heads per item at most; items per KV head and key range */
     int window; /* a row sees its last `window` keys only (sliding-window layers); 0: all of them */
     float scale;
 } AttTask;
@@ -202,6 +221,77 @@ INLINE void tile_rows(const AttTask *t, const size_t *off, int nt, const float *
     for (int i = nt; i < ((nt + 3) & ~3); i++) kr[i] = kr[nt - 1];
 }
 
+/* A row's first key: where its window starts (so the cut into ranges depends on the row alone), else 0. */
+INLINE int64_t att_first(const AttTask *t, int64_t len) { return t->window > 0 && len > t->window ? len - t->window : 0; }
+
+/* The key ranges of a row of `len` keys. */
+INLINE int att_ranges(const AttTask *t, int64_t len) { return (int)((len - att_first(t, len) + ATT_SPLIT - 1) / ATT_SPLIT); }
+
+/* Row s's share of item b into it; 0 when the row has no keys in the item's range. */
+INLINE int row_item(const AttTask *t, const AttBlock *b, int s, AttItem *it) {
+    const int64_t len = t->lens[s], first = att_first(t, len), t0 = first + (int64_t)b->k * ATT_SPLIT;
+    const int ns = att_ranges(t, len);
+    if (b->k >= ns) return 0;
+    it->s = s;
+    it->kv = b->kv;
+    it->h0 = b->h0;
+    it->nh = b->nh;
+    it->t0 = (int)t0;
+    it->t1 = (int)(t0 + ATT_SPLIT < len ? t0 + ATT_SPLIT : len);
+    /* slots go by the row's head groups, then its ranges */
+    const int hg = b->kv * t->subs + (b->h0 - b->kv * (t->H / t->n_kv)) / t->sub;
+    it->slot = ns > 1 ? t->slot_base[s] + hg * ns + b->k : -1;
+    return 1;
+}
+
+/* Item b's K and V rows of its key range (its last row's, which holds the others' keys) copied into this
+   thread's stage as float32 (by `convert` from float16 or int8); *sk stays NULL for a one-row item, which
+   reads the pool in place. */
+INLINE void stage_block(const AttTask *t, const AttBlock *b, void (*convert)(const char *, int, int, float *),
+                        const float **sk, const float **sv, int *st0) {
+    AttItem last;
+    *sk = *sv = NULL;
+    if (b->nr < 2 || !row_item(t, b, b->s + b->nr - 1, &last)) return;
+    float *k = t->stage + (size_t)qm_worker_index() * 2 * ATT_SPLIT * t->hd, *v = k + (size_t)ATT_SPLIT * t->hd;
+    size_t off[ATT_SPLIT];
+    const int n = last.t1 - last.t0;
+    tile_offsets(t, &last, last.t0, n, off);
+    for (int i = 0; i < n; i++) {
+        if (t->kv_type != QM_KV_F32) {
+            convert(t->k + off[i], t->kv_type, t->hd, k + (size_t)i * t->hd);
+            convert(t->v + off[i], t->kv_type, t->hd, v + (size_t)i * t->hd);
+        } else {
+            memcpy(k + (size_t)i * t->hd, t->k + off[i], sizeof(float) * t->hd);
+            memcpy(v + (size_t)i * t->hd, t->v + off[i], sizeof(float) * t->hd);
+        }
+    }
+    *sk = k;
+    *sv = v;
+    *st0 = last.t0;
+}
+
+/* A tile's rows in a stage: rows i0..i0+nt-1 of sk and sv; rows nt.. up to a multiple of 4 repeat the last. */
+INLINE void staged_rows(const float *sk, const float *sv, int i0, int nt, int hd, const float **kr, const float **vr) {
+    for (int i = 0; i < nt; i++) {
+        kr[i] = sk + (size_t)(i0 + i) * hd;
+        vr[i] = sv + (size_t)(i0 + i) * hd;
+    }
+    for (int i = nt; i < ((nt + 3) & ~3); i++) kr[i] = kr[nt - 1];
+}
+
+/* Runs item `index` of task t: stages its rows (by `convert`), then the statements for each of its rows that
+   has keys in the item's range, with that row's AttItem `it` and the stage's sk, sv and st0 in scope. */
+#define EACH_ROW(t, index, convert, ...)                                  \
+    do {                                                                  \
+        const AttBlock *b_ = &(t)->items[index];                          \
+        const float *sk, *sv;                                             \
+        int st0 = 0;                                                      \
+        AttItem it;                                                       \
+        stage_block(t, b_, convert, &sk, &sv, &st0);                      \
+        for (int s_ = b_->s; s_ < b_->s + b_->nr; s_++)                   \
+            if (row_item(t, b_, s_, &it)) { __VA_ARGS__; }                \
+    } while (0)
+
 /* The item's result: normalized into out, or (acc, max, sum) into its slot for merging. */
 static void att_finish(const AttTask *t, const AttItem *it, float (*acc)[ATT_MAX_HD], const float *m, const float *l) {
     const int hd = t->hd;
@@ -264,9 +354,8 @@ INLINE float sum_portable(const float *x, int n) {
     return s;
 }
 
-INLINE void att_item_portable(const void *ctx, int index) {
-    const AttTask *t = (const AttTask *)ctx;
-    const AttItem *it = &t->items[index];
+/* One row's keys of its range: from the pool, or from its item's stage (sk, sv holding keys st0..). */
+INLINE void att_row_portable(const AttTask *t, const AttItem *it, const float *sk, const float *sv, int st0) {
     const int hd = t->hd, nh = it->nh;
     float qs[ATT_GROUP][ATT_MAX_HD], acc[ATT_GROUP][ATT_MAX_HD], sc[ATT_GROUP][ATT_TILE], m[ATT_GROUP], l[ATT_GROUP];
     size_t off[ATT_TILE];
@@ -283,8 +372,12 @@ INLINE void att_item_portable(const void *ctx, int index) {
     }
     for (int t0 = it->t0; t0 < it->t1; t0 += ATT_TILE) {
         int nt = it->t1 - t0 < ATT_TILE ? it->t1 - t0 : ATT_TILE;
-        tile_offsets(t, it, t0, nt, off);
-        tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats);
+        if (sk) {
+            staged_rows(sk, sv, t0 - st0, nt, hd, kr, vr);
+        } else {
+            tile_offsets(t, it, t0, nt, off);
+            tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats);
+        }
         for (int g = 0; g < nh; g++) {
             for (int i = 0; i < nt; i += 4) dot4_portable(qs[g], kr[i], kr[i + 1], kr[i + 2], kr[i + 3], hd, sc[g] + i);
             /* max, exp and sum as separate loops: a float reduction inside the exp loop would
@@ -316,7 +409,10 @@ INLINE void att_item_portable(const void *ctx, int index) {
     att_finish(t, it, acc, m, l);
 }
 
-static void att_item_generic(const void *ctx, int index) { att_item_portable(ctx, index); }
+static void att_item_generic(const void *ctx, int index) {
+    const AttTask *t = (const AttTask *)ctx;
+    EACH_ROW(t, index, kv_head_floats, att_row_portable(t, &it, sk, sv, st0));
+}
 
 #ifdef QM_X86
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
@@ -373,11 +469,11 @@ INLINE void prefetch_rows(const AttTask *t, const size_t *next, int r0, int r1) 
 /* The first keys of the item after this one, which the pool most likely hands the same thread (it claims
    items in order): fetched while this one computes, since its own first tile has no tile before it. */
 INLINE void prefetch_next_item(const AttTask *t, int index) {
-    if (index + 1 >= t->n_items) return;
-    const AttItem *it = &t->items[index + 1];
-    const int n = it->t1 - it->t0 < ATT_TILE ? it->t1 - it->t0 : ATT_TILE;
+    AttItem it;
+    if (index + 1 >= t->n_items || !row_item(t, &t->items[index + 1], t->items[index + 1].s, &it)) return;
+    const int n = it.t1 - it.t0 < ATT_TILE ? it.t1 - it.t0 : ATT_TILE;
     size_t off[ATT_TILE];
-    tile_offsets(t, it, it->t0, n, off);
+    tile_offsets(t, &it, it.t0, n, off);
     prefetch_rows(t, off, 0, n);
 }
 
@@ -410,8 +506,8 @@ static inline AVX2_OPS __attribute__((always_inline)) __m128 dot4_avx2(const flo
 /* The AVX-512 kernel's plan on 8 lanes, head_dim = 8 * HV (HV a multiple of 8): q in memory (each of
    its vectors serves four keys), the output accumulated 64 dims at a time in registers; about a
    quarter faster than the portable kernel built for AVX2 on a 64-stream decode's pool reads. */
-static inline AVX2_OPS __attribute__((always_inline)) void att_item_avx2_body(const AttTask *t, const AttItem *it,
-                                                                            const int HV) {
+static inline AVX2_OPS __attribute__((always_inline)) void att_row_avx2(const AttTask *t, const AttItem *it, const int HV,
+                                                                      const float *sk, const float *sv, int st0) {
     const int hd = 8 * HV, nh = it->nh;
     float qs[ATT_GROUP][ATT_MAX_HD] __attribute__((aligned(32)));
     float acc[ATT_GROUP][ATT_MAX_HD] __attribute__((aligned(32)));
@@ -431,16 +527,20 @@ static inline AVX2_OPS __attribute__((always_inline)) void att_item_avx2_body(co
         l[g] = 0.f;
     }
     int nt = it->t1 - it->t0 < ATT_TILE ? it->t1 - it->t0 : ATT_TILE;
-    tile_offsets(t, it, it->t0, nt, offs[0]);
+    if (!sk) tile_offsets(t, it, it->t0, nt, offs[0]);
     for (int t0 = it->t0, cur = 0; t0 < it->t1; t0 += ATT_TILE, cur ^= 1) {
         const size_t *off = offs[cur];
         const size_t *next = offs[cur ^ 1];
         const int n_next = it->t1 - t0 - nt < ATT_TILE ? it->t1 - t0 - nt : ATT_TILE;
-        if (n_next > 0) tile_offsets(t, it, t0 + nt, n_next, offs[cur ^ 1]);
-        tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats_avx2);
+        if (sk) {
+            staged_rows(sk, sv, t0 - st0, nt, hd, kr, vr);
+        } else {
+            if (n_next > 0) tile_offsets(t, it, t0 + nt, n_next, offs[cur ^ 1]);
+            tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats_avx2);
+        }
         for (int g = 0; g < nh; g++) {
             for (int i = 0; i < nt; i += 4) {
-                if (g == 0) prefetch_rows(t, next, i, i + 4 < n_next ? i + 4 : n_next);
+                if (g == 0 && !sk) prefetch_rows(t, next, i, i + 4 < n_next ? i + 4 : n_next);
                 _mm_store_ps(sc[g] + i, dot4_avx2(qs[g], kr[i], kr[i + 1], kr[i + 2], kr[i + 3], HV));
             }
             /* online softmax over the tile */
@@ -483,14 +583,13 @@ static inline AVX2_OPS __attribute__((always_inline)) void att_item_avx2_body(co
 
 static AVX2_OPS void att_item_avx2(const void *ctx, int index) {
     const AttTask *t = (const AttTask *)ctx;
-    const AttItem *it = &t->items[index];
     prefetch_next_item(t, index);
-    switch (t->hd) {
-    case 64: att_item_avx2_body(t, it, 8); break;
-    case 128: att_item_avx2_body(t, it, 16); break;
-    case 256: att_item_avx2_body(t, it, 32); break;
-    default: att_item_portable(ctx, index); break;
-    }
+    EACH_ROW(t, index, kv_head_floats_avx2, switch (t->hd) {
+        case 64: att_row_avx2(t, &it, 8, sk, sv, st0); break;
+        case 128: att_row_avx2(t, &it, 16, sk, sv, st0); break;
+        case 256: att_row_avx2(t, &it, 32, sk, sv, st0); break;
+        default: att_row_portable(t, &it, sk, sv, st0); break;
+    });
 }
 
 static inline AVX512_TARGET __attribute__((always_inline)) __m512 exp512(__m512 x) {
@@ -552,8 +651,8 @@ att_weighted_v512(float (*acc)[ATT_MAX_HD], float (*sc)[ATT_TILE], const float *
 
 /* One item, head_dim = 16 * HV (HV >= 2; a constant where inlined, so q and the accumulators of
    a head live in registers). */
-static inline AVX512_TARGET __attribute__((always_inline)) void att_item_avx512_body(const AttTask *t, const AttItem *it,
-                                                                                      const int HV) {
+static inline AVX512_TARGET __attribute__((always_inline)) void
+att_row_avx512(const AttTask *t, const AttItem *it, const int HV, const float *sk, const float *sv, int st0) {
     const int hd = 16 * HV, nh = it->nh;
     float acc[ATT_GROUP][ATT_MAX_HD] __attribute__((aligned(64)));
     float sc[ATT_GROUP][ATT_TILE] __attribute__((aligned(64)));
@@ -574,17 +673,21 @@ static inline AVX512_TARGET __attribute__((always_inline)) void att_item_avx512_
         l[g] = 0.f;
     }
     int nt = it->t1 - it->t0 < ATT_TILE ? it->t1 - it->t0 : ATT_TILE;
-    tile_offsets(t, it, it->t0, nt, offs[0]);
+    if (!sk) tile_offsets(t, it, it->t0, nt, offs[0]);
     for (int t0 = it->t0, cur = 0; t0 < it->t1; t0 += ATT_TILE, cur ^= 1) {
         const size_t *off = offs[cur], *next = offs[cur ^ 1];
         const int n_next = it->t1 - t0 - nt < ATT_TILE ? it->t1 - t0 - nt : ATT_TILE;
-        if (n_next > 0) tile_offsets(t, it, t0 + nt, n_next, offs[cur ^ 1]);
-        tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats_avx2);
+        if (sk) {
+            staged_rows(sk, sv, t0 - st0, nt, hd, kr, vr);
+        } else {
+            if (n_next > 0) tile_offsets(t, it, t0 + nt, n_next, offs[cur ^ 1]);
+            tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats_avx2);
+        }
         for (int g = 0; g < nh; g++) {
             __m512 q[ATT_MAX_HD / 16];
             for (int j = 0; j < HV; j++) q[j] = qs[g][j];
             for (int i = 0; i < nt; i += 4) {
-                if (g == 0) prefetch_rows(t, next, i, i + 4 < n_next ? i + 4 : n_next);
+                if (g == 0 && !sk) prefetch_rows(t, next, i, i + 4 < n_next ? i + 4 : n_next);
                 __m128 s4 = hsum4(dot_vec(q, kr[i], HV), dot_vec(q, kr[i + 1], HV), dot_vec(q, kr[i + 2], HV),
                                   dot_vec(q, kr[i + 3], HV));
                 _mm_storeu_ps(sc[g] + i, s4);
@@ -620,19 +723,19 @@ static inline AVX512_TARGET __attribute__((always_inline)) void att_item_avx512_
 
 static AVX512_TARGET void att_item_avx512(const void *ctx, int index) {
     const AttTask *t = (const AttTask *)ctx;
-    const AttItem *it = &t->items[index];
-    switch (t->hd) {
-    case 64: att_item_avx512_body(t, it, 4); break;
-    case 128: att_item_avx512_body(t, it, 8); break;
-    default: att_item_avx512_body(t, it, t->hd / 16); break;
-    }
+    EACH_ROW(t, index, kv_head_floats_avx2, switch (t->hd) {
+        case 64: att_row_avx512(t, &it, 4, sk, sv, st0); break;
+        case 128: att_row_avx512(t, &it, 8, sk, sv, st0); break;
+        default: att_row_avx512(t, &it, t->hd / 16, sk, sv, st0); break;
+    });
 }
 #endif /* QM_X86 */
 
 /* Per-call scratch, grown as needed; used under qm_call_lock only. */
-static AttItem *g_items;
-static float *g_part;
-static size_t g_items_cap, g_part_cap;
+static AttBlock *g_items;
+static float *g_part, *g_stage;
+static int *g_slot_base;
+static size_t g_items_cap, g_part_cap, g_stage_cap, g_slot_base_cap;
 
 static int grow(void **p, size_t *cap, size_t need, size_t elem) {
     if (need <= *cap) return 0;
@@ -643,81 +746,86 @@ static int grow(void **p, size_t *cap, size_t need, size_t elem) {
     return 0;
 }
 
-/* A row's first key: where its window starts (so the cut into ranges depends on the row alone), else 0. */
-INLINE int64_t att_first(const AttTask *t, int64_t len) { return t->window > 0 && len > t->window ? len - t->window : 0; }
+/* Whether row b continues row a's prompt (so their keys can be staged once): one key more, no window cut, and the
+   same blocks for the keys row a reads. */
+static int same_prompt(const AttTask *t, const int64_t *lens, int a, int b) {
+    if (lens[b] != lens[a] + 1 || att_first(t, lens[b]) > 0) return 0;
+    const int64_t *ta = t->bt + (size_t)a * t->bt_row, *tb = t->bt + (size_t)b * t->bt_row;
+    return ta == tb || !memcmp(ta, tb, sizeof(int64_t) * (size_t)((lens[a] + t->bs - 1) / t->bs));
+}
 
 /* Plans the items of a call and runs them; returns -1 when out of memory. */
 static int run_attention(AttTask *t, const int64_t *lens, int D) {
     const int group = t->H / t->n_kv;
-    const int subs = (group + ATT_GROUP - 1) / ATT_GROUP, sub = (group + subs - 1) / subs;
-    const int64_t split = ATT_SPLIT;
+    t->subs = (group + ATT_GROUP - 1) / ATT_GROUP;
+    t->sub = (group + t->subs - 1) / t->subs;
+    t->lens = lens;
     size_t n_items = 0, n_slots = 0;
-    for (int s = 0; s < D; s++) {
-        int64_t ns = (lens[s] - att_first(t, lens[s]) + split - 1) / split;
-        n_items += (size_t)ns * t->n_kv * subs;
-        if (ns > 1) n_slots += (size_t)ns * t->n_kv * subs;
+    if (grow((void **)&g_slot_base, &g_slot_base_cap, (size_t)D + 1, sizeof(int)) < 0) return -1;
+    for (int s = 0, nr = 1; s < D; s += nr) {
+        for (nr = 1; nr < ATT_BLOCK && s + nr < D && same_prompt(t, lens, s + nr - 1, s + nr); nr++) {}
+        n_items += (size_t)att_ranges(t, lens[s + nr - 1]) * t->n_kv * t->subs; /* the block's last row has the most */
+        for (int r = s; r < s + nr; r++) {
+            const int ns = att_ranges(t, lens[r]);
+            g_slot_base[r] = (int)n_slots;
+            if (ns > 1) n_slots += (size_t)ns * t->n_kv * t->subs;
+        }
     }
     t->slot_floats = ATT_GROUP * (t->hd + 2);
-    if (grow((void **)&g_items, &g_items_cap, n_items + 1, sizeof(AttItem)) < 0 ||
-        grow((void **)&g_part, &g_part_cap, n_slots * t->slot_floats + 1, sizeof(float)) < 0)
+    const size_t stage = (size_t)qm_pool_threads() * 2 * ATT_SPLIT * t->hd;
+    if (grow((void **)&g_items, &g_items_cap, n_items + 1, sizeof(AttBlock)) < 0 ||
+        grow((void **)&g_part, &g_part_cap, n_slots * t->slot_floats + 1, sizeof(float)) < 0 ||
+        grow((void **)&g_stage, &g_stage_cap, stage, sizeof(float)) < 0)
         return -1;
     size_t n = 0;
-    int slot = 0;
     for (int s = 0; s < D; s++)
         if (lens[s] == 0) memset(t->out + (size_t)s * t->H * t->hd, 0, sizeof(float) * t->H * t->hd);
     /* KV head first, then rows: a prompt's rows read the same keys, so one head's K/V (256 keys: 128 KiB at
        head_dim 64) stays in L2 from row to row (a 512-token prefill's attention ran ~5% faster than row first) */
     for (int kv = 0; kv < t->n_kv; kv++)
-        for (int s = 0; s < D; s++) {
-            int len = (int)lens[s], first = (int)att_first(t, lens[s]), ns = (int)((len - first + split - 1) / split);
-            for (int h = 0; h < group; h += sub)
-                for (int k = 0; k < ns; k++) {
-                    AttItem *it = &g_items[n++];
-                    it->s = s;
-                    it->kv = kv;
-                    it->h0 = kv * group + h;
-                    it->nh = group - h < sub ? group - h : sub;
-                    it->t0 = (int)(first + k * split);
-                    it->t1 = (int)(first + (k + 1) * split < len ? first + (k + 1) * split : len);
-                    it->slot = ns > 1 ? slot++ : -1;
-                }
+        for (int s = 0, nr = 1; s < D; s += nr) {
+            for (nr = 1; nr < ATT_BLOCK && s + nr < D && same_prompt(t, lens, s + nr - 1, s + nr); nr++) {}
+            const int ns = att_ranges(t, lens[s + nr - 1]);
+            for (int h = 0; h < group; h += t->sub)
+                for (int k = 0; k < ns; k++)
+                    g_items[n++] = (AttBlock){.s = s, .nr = nr, .kv = kv, .h0 = kv * group + h,
+                                              .nh = group - h < t->sub ? group - h : t->sub, .k = k};
         }
     t->items = g_items;
     t->n_items = (int)n;
     t->part = g_part;
+    t->stage = g_stage;
+    t->slot_base = g_slot_base;
     qm_item_fn fn = att_item_generic;
 #ifdef QM_X86
     if (qm_isa_level() == 2 && t->hd % 32 == 0) fn = att_item_avx512;
     if (qm_isa_level() == 1) fn = att_item_avx2;
 #endif
     qm_parallel((int)n, fn, t);
-    /* merge the splits of each (sequence, head): weights exp(m_k - max) on the partial sums */
-    for (size_t i = 0; i < n;) {
-        const AttItem *it = &g_items[i];
-        if (it->slot < 0) {
-            i++;
-            continue;
-        }
-        size_t e = i;
-        while (e < n && g_items[e].s == it->s && g_items[e].h0 == it->h0) e++;
-        for (int g = 0; g < it->nh; g++) {
-            float top = -INFINITY, total = 0.f;
-            for (size_t j = i; j < e; j++) {
-                float mj = g_part[(size_t)g_items[j].slot * t->slot_floats + ATT_GROUP * t->hd + g];
-                top = mj > top ? mj : top;
+    /* merge the ranges of each row and head: weights exp(m_k - max) on the partial sums */
+    for (int s = 0; s < D; s++) {
+        const int ns = att_ranges(t, lens[s]);
+        for (int hg = 0; ns > 1 && hg < t->n_kv * t->subs; hg++) {
+            const int h0 = hg / t->subs * group + hg % t->subs * t->sub, nh = group - hg % t->subs * t->sub;
+            const float *part = g_part + (size_t)(g_slot_base[s] + hg * ns) * t->slot_floats;
+            for (int g = 0; g < (nh < t->sub ? nh : t->sub); g++) {
+                float top = -INFINITY, total = 0.f;
+                for (int k = 0; k < ns; k++) {
+                    float mk = part[(size_t)k * t->slot_floats + ATT_GROUP * t->hd + g];
+                    top = mk > top ? mk : top;
+                }
+                float *o = t->out + ((size_t)s * t->H + h0 + g) * t->hd;
+                memset(o, 0, sizeof(float) * t->hd);
+                for (int k = 0; k < ns; k++) {
+                    const float *p = part + (size_t)k * t->slot_floats;
+                    float w = exp_poly(p[ATT_GROUP * t->hd + g] - top);
+                    total += w * p[ATT_GROUP * t->hd + ATT_GROUP + g];
+                    for (int d = 0; d < t->hd; d++) o[d] += w * p[(size_t)g * t->hd + d];
+                }
+                float inv = 1.f / total;
+                for (int d = 0; d < t->hd; d++) o[d] *= inv;
             }
-            float *o = t->out + ((size_t)it->s * t->H + it->h0 + g) * t->hd;
-            memset(o, 0, sizeof(float) * t->hd);
-            for (size_t j = i; j < e; j++) {
-                const float *p = g_part + (size_t)g_items[j].slot * t->slot_floats;
-                float w = exp_poly(p[ATT_GROUP * t->hd + g] - top);
-                total += w * p[ATT_GROUP * t->hd + ATT_GROUP + g];
-                for (int d = 0; d < t->hd; d++) o[d] += w * p[(size_t)g * t->hd + d];
-            }
-            float inv = 1.f / total;
-            for (int d = 0; d < t->hd; d++) o[d] *= inv;
         }
-        i = e;
     }
     return 0;
 }

@@ -35,6 +35,7 @@ static atomic_int g_done;                 /* items finished in the current call 
 static qm_item_fn g_fn;                   /* the current call's work */
 static const void *g_ctx;
 static int g_spin_us = 100;
+static _Thread_local int tl_index; /* 0 on every thread but the workers, which set their own */
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -85,6 +86,7 @@ static void run_items(unsigned gen, int self) {
 static void *worker_main(void *arg) {
     unsigned seen = atomic_load(&g_gen);
     const int self = (int)(intptr_t)arg;
+    tl_index = self;
     for (;;) {
         unsigned gen;
         double until = now_us() + g_spin_us;
@@ -124,6 +126,10 @@ static void start_workers(int n) {
 }
 
 int qm_threads(void) { return g_threads < g_started + 1 ? g_threads : g_started + 1; }
+
+int qm_pool_threads(void) { return g_started + 1; }
+
+int qm_worker_index(void) { return tl_index; }
 
 void qm_pool_set_threads(int n) {
     n = n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : n;

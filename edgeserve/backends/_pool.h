@@ -29,6 +29,13 @@ void qm_parallel(int items, qm_item_fn fn, const void *ctx);
 /* Threads one call may use, the caller's included. */
 int qm_threads(void);
 
+/* Threads that may run a call's items: every worker started (after a smaller set_threads too), and the caller. */
+int qm_pool_threads(void);
+
+/* The running thread's index, below qm_pool_threads(): 0 for the caller of qm_parallel, 1.. for workers (so an
+   item can use its thread's own scratch). */
+int qm_worker_index(void);
+
 /* Use n threads per call (1..64, the caller's included), starting workers as needed; with qm_call_lock held. */
 void qm_pool_set_threads(int n);
 
