@@ -42,6 +42,7 @@ and third time inside AVX2 and AVX-512 target functions for the small ops on x86
 #define ATT_MAX_HD QM_MAX_HEAD_DIM
 #define ATT_SPLIT 256  /* keys per range: shorter ones cost more in merging than they gain; a multiple of ATT_TILE */
 #define ATT_BLOCK 16   /* rows of one prompt per item at most */
+#define ATT_BLOCK_STATE (ATT_BLOCK * ATT_GROUP * (ATT_MAX_HD + ATT_TILE)) /* floats */
 #define LANES 16
 #define INLINE static inline __attribute__((always_inline))
 
@@ -91,7 +92,8 @@ typedef struct {
     const char *k, *v; /* pools of kv_type, addressed in bytes */
     const int64_t *bt;
     float *out, *part;
-    float *stage;             /* per thread (qm_worker_index): a block's K and V rows, 2 * ATT_SPLIT * hd floats */
+    float *stage;             /* per thread (qm_worker_index), 64-byte aligned: a block's K and V rows, 2 * ATT_SPLIT * hd
+                                 floats, then its rows' accumulators and scores (ATT_BLOCK_STATE) */
     const AttBlock *items;
     const int64_t *lens;
     const int *slot_base;     /* a row's first partial slot (rows of one range have none) */
@@ -227,6 +229,11 @@ INLINE int64_t att_first(const AttTask *t, int64_t len) { return t->window > 0 &
 /* The key ranges of a row of `len` keys. */
 INLINE int att_ranges(const AttTask *t, int64_t len) { return (int)((len - att_first(t, len) + ATT_SPLIT - 1) / ATT_SPLIT); }
 
+/* This thread's stage. */
+INLINE float *att_stage(const AttTask *t) {
+    return t->stage + (size_t)qm_worker_index() * (2 * ATT_SPLIT * (size_t)t->hd + ATT_BLOCK_STATE);
+}
+
 /* Row s's share of item b into it; 0 when the row has no keys in the item's range. */
 INLINE int row_item(const AttTask *t, const AttBlock *b, int s, AttItem *it) {
     const int64_t len = t->lens[s], first = att_first(t, len), t0 = first + (int64_t)b->k * ATT_SPLIT;
@@ -252,7 +259,7 @@ INLINE void stage_block(const AttTask *t, const AttBlock *b, void (*convert)(con
     AttItem last;
     *sk = *sv = NULL;
     if (b->nr < 2 || !row_item(t, b, b->s + b->nr - 1, &last)) return;
-    float *k = t->stage + (size_t)qm_worker_index() * 2 * ATT_SPLIT * t->hd, *v = k + (size_t)ATT_SPLIT * t->hd;
+    float *k = att_stage(t), *v = k + (size_t)ATT_SPLIT * t->hd;
     size_t off[ATT_SPLIT];
     const int n = last.t1 - last.t0;
     tile_offsets(t, &last, last.t0, n, off);
@@ -649,10 +656,58 @@ att_weighted_v512(float (*acc)[ATT_MAX_HD], float (*sc)[ATT_TILE], const float *
         for (int j = 0; j < HV; j++) _mm512_store_ps(acc[g0 + g] + 16 * j, a[g * HV + j]);
 }
 
-/* One item, head_dim = 16 * HV (HV >= 2; a constant where inlined, so q and the accumulators of
-   a head live in registers). */
+/* The online softmax over a tile's scores sc[0..nt) of one head: their exponentials in place, its running
+   max m and sum l updated; returns the factor for its accumulator. */
+static inline AVX512_TARGET __attribute__((always_inline)) float softmax_tile512(float *sc, int nt, float *m, float *l) {
+    __m512 top = _mm512_set1_ps(*m);
+    for (int i = 0; i < nt; i += 16) {
+        __mmask16 k = nt - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nt - i)) - 1);
+        top = _mm512_mask_max_ps(top, k, top, _mm512_loadu_ps(sc + i));
+    }
+    const float mx = _mm512_reduce_max_ps(top);
+    const __m512 mv = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int i = 0; i < nt; i += 16) {
+        __mmask16 k = nt - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nt - i)) - 1);
+        __m512 p = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + i), mv)));
+        _mm512_storeu_ps(sc + i, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    const float alpha = exp_poly(*m - mx);
+    *m = mx;
+    *l = *l * alpha + _mm512_reduce_add_ps(sum);
+    return alpha;
+}
+
+/* Query head q (scaled, head_dim = 16 * HV) against keys kr[i..i+3]: their four scores into sc + i. */
 static inline AVX512_TARGET __attribute__((always_inline)) void
-att_row_avx512(const AttTask *t, const AttItem *it, const int HV, const float *sk, const float *sv, int st0) {
+scores4_512(const __m512 *q, const float *const *kr, int i, const int HV, float *sc) {
+    _mm_storeu_ps(sc + i, hsum4(dot_vec(q, kr[i], HV), dot_vec(q, kr[i + 1], HV), dot_vec(q, kr[i + 2], HV),
+                                dot_vec(q, kr[i + 3], HV)));
+}
+
+/* Query head h of row s, scaled, into q. */
+static inline AVX512_TARGET __attribute__((always_inline)) void
+scaled_q512(const AttTask *t, int s, int h, const int HV, __m512 *q) {
+    const float *qr = t->q + (size_t)s * t->q_row + (size_t)h * 16 * HV;
+    for (int j = 0; j < HV; j++) q[j] = _mm512_mul_ps(_mm512_loadu_ps(qr + 16 * j), _mm512_set1_ps(t->scale));
+}
+
+/* The weighted V rows of a tile for heads 0..nh-1, VH heads at a time (each V row read once for them: it was
+   read once per head, and the loads bound a prompt's attention). */
+static inline AVX512_TARGET __attribute__((always_inline)) void
+weighted_v_tile512(float (*acc)[ATT_MAX_HD], float (*sc)[ATT_TILE], const float *alpha, const float *const *vr, int nt,
+                   int nh, const int HV) {
+    const int VH = HV >= 16 ? 1 : 16 / HV; /* heads whose V sums fit 16 registers */
+    int g = 0;
+    for (; g + VH <= nh; g += VH) att_weighted_v512(acc, sc, alpha, vr, nt, g, VH, HV);
+    for (; g < nh; g++) att_weighted_v512(acc, sc, alpha, vr, nt, g, 1, HV);
+}
+
+/* One row read from the pool in place (a decode row), head_dim = 16 * HV (HV >= 2; a constant where inlined,
+   so q and the accumulators of a head live in registers). */
+static inline AVX512_TARGET __attribute__((always_inline)) void att_row_avx512(const AttTask *t, const AttItem *it,
+                                                                                const int HV) {
     const int hd = 16 * HV, nh = it->nh;
     float acc[ATT_GROUP][ATT_MAX_HD] __attribute__((aligned(64)));
     float sc[ATT_GROUP][ATT_TILE] __attribute__((aligned(64)));
@@ -661,73 +716,102 @@ att_row_avx512(const AttTask *t, const AttItem *it, const int HV, const float *s
     const float *kr[ATT_TILE], *vr[ATT_TILE];
     float kbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd], vbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd];
     __m512 qs[ATT_GROUP][ATT_MAX_HD / 16];
-    const int VH = HV >= 16 ? 1 : 16 / HV; /* heads whose V sums fit 16 registers */
-    const __m512 scale = _mm512_set1_ps(t->scale);
     for (int g = 0; g < nh; g++) {
-        const float *qr = t->q + (size_t)it->s * t->q_row + (size_t)(it->h0 + g) * hd;
-        for (int j = 0; j < HV; j++) {
-            qs[g][j] = _mm512_mul_ps(_mm512_loadu_ps(qr + 16 * j), scale);
-            _mm512_store_ps(acc[g] + 16 * j, _mm512_setzero_ps());
-        }
+        scaled_q512(t, it->s, it->h0 + g, HV, qs[g]);
+        memset(acc[g], 0, sizeof(float) * hd);
         m[g] = -INFINITY;
         l[g] = 0.f;
     }
     int nt = it->t1 - it->t0 < ATT_TILE ? it->t1 - it->t0 : ATT_TILE;
-    if (!sk) tile_offsets(t, it, it->t0, nt, offs[0]);
+    tile_offsets(t, it, it->t0, nt, offs[0]);
     for (int t0 = it->t0, cur = 0; t0 < it->t1; t0 += ATT_TILE, cur ^= 1) {
         const size_t *off = offs[cur], *next = offs[cur ^ 1];
         const int n_next = it->t1 - t0 - nt < ATT_TILE ? it->t1 - t0 - nt : ATT_TILE;
-        if (sk) {
-            staged_rows(sk, sv, t0 - st0, nt, hd, kr, vr);
-        } else {
-            if (n_next > 0) tile_offsets(t, it, t0 + nt, n_next, offs[cur ^ 1]);
-            tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats_avx2);
-        }
+        if (n_next > 0) tile_offsets(t, it, t0 + nt, n_next, offs[cur ^ 1]);
+        tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats_avx2);
         for (int g = 0; g < nh; g++) {
             __m512 q[ATT_MAX_HD / 16];
             for (int j = 0; j < HV; j++) q[j] = qs[g][j];
             for (int i = 0; i < nt; i += 4) {
-                if (g == 0 && !sk) prefetch_rows(t, next, i, i + 4 < n_next ? i + 4 : n_next);
-                __m128 s4 = hsum4(dot_vec(q, kr[i], HV), dot_vec(q, kr[i + 1], HV), dot_vec(q, kr[i + 2], HV),
-                                  dot_vec(q, kr[i + 3], HV));
-                _mm_storeu_ps(sc[g] + i, s4);
+                if (g == 0) prefetch_rows(t, next, i, i + 4 < n_next ? i + 4 : n_next);
+                scores4_512(q, kr, i, HV, sc[g]);
             }
-            /* online softmax over the tile */
-            __m512 top = _mm512_set1_ps(m[g]);
-            for (int i = 0; i < nt; i += 16) {
-                __mmask16 k = nt - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nt - i)) - 1);
-                top = _mm512_mask_max_ps(top, k, top, _mm512_loadu_ps(sc[g] + i));
-            }
-            float mx = _mm512_reduce_max_ps(top);
-            const __m512 mv = _mm512_set1_ps(mx);
-            __m512 sum = _mm512_setzero_ps();
-            for (int i = 0; i < nt; i += 16) {
-                __mmask16 k = nt - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nt - i)) - 1);
-                __m512 p = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_loadu_ps(sc[g] + i), mv)));
-                _mm512_storeu_ps(sc[g] + i, p);
-                sum = _mm512_add_ps(sum, p);
-            }
-            alpha[g] = exp_poly(m[g] - mx);
-            m[g] = mx;
-            l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(sum);
+            alpha[g] = softmax_tile512(sc[g], nt, &m[g], &l[g]);
         }
-        /* weighted V rows, VH heads at a time: each V row read once for them (it was read once per head, and
-           the loads bound a prompt's attention) */
-        int g = 0;
-        for (; g + VH <= nh; g += VH) att_weighted_v512(acc, sc, alpha, vr, nt, g, VH, HV);
-        for (; g < nh; g++) att_weighted_v512(acc, sc, alpha, vr, nt, g, 1, HV);
+        weighted_v_tile512(acc, sc, alpha, vr, nt, nh, HV);
         nt = n_next;
     }
     att_finish(t, it, acc, m, l);
 }
 
+/* The rows of a staged item (keys st0.. in sk and sv), tile by tile: each tile's scores for every row and head,
+   then their softmax, then their weighted V rows, so that its K rows and then its V rows serve them all from
+   L1 (row by row, each row read the stage from L2: twice as slow). Each row's arithmetic is att_row_avx512's,
+   in its order. state: ATT_BLOCK_STATE floats, 64-byte aligned. */
+static inline AVX512_TARGET __attribute__((always_inline)) void
+att_block_avx512(const AttTask *t, const AttItem *rows, int nr, const int HV, const float *sk, const float *sv, int st0,
+                 float *state) {
+    const int hd = 16 * HV, nh = rows[0].nh;
+    float(*acc)[ATT_GROUP][ATT_MAX_HD] = (float(*)[ATT_GROUP][ATT_MAX_HD])state;
+    float(*sc)[ATT_GROUP][ATT_TILE] = (float(*)[ATT_GROUP][ATT_TILE])(state + ATT_BLOCK * ATT_GROUP * ATT_MAX_HD);
+    float m[ATT_BLOCK][ATT_GROUP], l[ATT_BLOCK][ATT_GROUP], alpha[ATT_BLOCK][ATT_GROUP];
+    const float *kr[ATT_TILE], *vr[ATT_TILE];
+    for (int r = 0; r < nr; r++)
+        for (int g = 0; g < nh; g++) {
+            memset(acc[r][g], 0, sizeof(float) * hd);
+            m[r][g] = -INFINITY;
+            l[r][g] = 0.f;
+        }
+    for (int t0 = st0; t0 < rows[nr - 1].t1; t0 += ATT_TILE) {
+#define TILE_ROWS(r) const int nt = rows[r].t1 - t0 < ATT_TILE ? rows[r].t1 - t0 : ATT_TILE
+        for (int r = 0; r < nr; r++) {
+            TILE_ROWS(r);
+            if (nt <= 0) continue;
+            staged_rows(sk, sv, t0 - st0, nt, hd, kr, vr);
+            for (int g = 0; g < nh; g++) {
+                __m512 q[ATT_MAX_HD / 16];
+                scaled_q512(t, rows[r].s, rows[r].h0 + g, HV, q);
+                for (int i = 0; i < nt; i += 4) scores4_512(q, kr, i, HV, sc[r][g]);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            TILE_ROWS(r);
+            for (int g = 0; nt > 0 && g < nh; g++) alpha[r][g] = softmax_tile512(sc[r][g], nt, &m[r][g], &l[r][g]);
+        }
+        for (int r = 0; r < nr; r++) {
+            TILE_ROWS(r);
+            if (nt <= 0) continue;
+            staged_rows(sk, sv, t0 - st0, nt, hd, kr, vr);
+            weighted_v_tile512(acc[r], sc[r], alpha[r], vr, nt, nh, HV);
+        }
+#undef TILE_ROWS
+    }
+    for (int r = 0; r < nr; r++) att_finish(t, &rows[r], acc[r], m[r], l[r]);
+}
+
 static AVX512_TARGET void att_item_avx512(const void *ctx, int index) {
     const AttTask *t = (const AttTask *)ctx;
-    EACH_ROW(t, index, kv_head_floats_avx2, switch (t->hd) {
-        case 64: att_row_avx512(t, &it, 4, sk, sv, st0); break;
-        case 128: att_row_avx512(t, &it, 8, sk, sv, st0); break;
-        default: att_row_avx512(t, &it, t->hd / 16, sk, sv, st0); break;
-    });
+    const AttBlock *b = &t->items[index];
+    const float *sk, *sv;
+    int st0 = 0, nr = 0;
+    AttItem rows[ATT_BLOCK];
+    stage_block(t, b, kv_head_floats_avx2, &sk, &sv, &st0);
+    for (int s = b->s; s < b->s + b->nr; s++) nr += row_item(t, b, s, &rows[nr]);
+    float *state = att_stage(t) + 2 * ATT_SPLIT * (size_t)t->hd;
+    if (nr == 0) return;
+    if (!sk) {
+        switch (t->hd) {
+        case 64: att_row_avx512(t, rows, 4); break;
+        case 128: att_row_avx512(t, rows, 8); break;
+        default: att_row_avx512(t, rows, t->hd / 16); break;
+        }
+        return;
+    }
+    switch (t->hd) {
+    case 64: att_block_avx512(t, rows, nr, 4, sk, sv, st0, state); break;
+    case 128: att_block_avx512(t, rows, nr, 8, sk, sv, st0, state); break;
+    default: att_block_avx512(t, rows, nr, t->hd / 16, sk, sv, st0, state); break;
+    }
 }
 #endif /* QM_X86 */
 
@@ -772,7 +856,7 @@ static int run_attention(AttTask *t, const int64_t *lens, int D) {
         }
     }
     t->slot_floats = ATT_GROUP * (t->hd + 2);
-    const size_t stage = (size_t)qm_pool_threads() * 2 * ATT_SPLIT * t->hd;
+    const size_t stage = (size_t)qm_pool_threads() * (2 * ATT_SPLIT * (size_t)t->hd + ATT_BLOCK_STATE) + 16;
     if (grow((void **)&g_items, &g_items_cap, n_items + 1, sizeof(AttBlock)) < 0 ||
         grow((void **)&g_part, &g_part_cap, n_slots * t->slot_floats + 1, sizeof(float)) < 0 ||
         grow((void **)&g_stage, &g_stage_cap, stage, sizeof(float)) < 0)
@@ -794,7 +878,7 @@ static int run_attention(AttTask *t, const int64_t *lens, int D) {
     t->items = g_items;
     t->n_items = (int)n;
     t->part = g_part;
-    t->stage = g_stage;
+    t->stage = (float *)(((uintptr_t)g_stage + 63) & ~(uintptr_t)63);
     t->slot_base = g_slot_base;
     qm_item_fn fn = att_item_generic;
 #ifdef QM_X86
