@@ -510,11 +510,59 @@ static inline AVX2_OPS __attribute__((always_inline)) __m128 dot4_avx2(const flo
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
+/* softmax_tile512 on 8 lanes (the same sums in the AVX2 kernel's own order). */
+static inline AVX2_OPS __attribute__((always_inline)) float softmax_tile256(float *sc, int nt, float *m, float *l) {
+    const int n8 = nt & ~7;
+    __m256 top = _mm256_set1_ps(*m);
+    for (int i = 0; i < n8; i += 8) top = _mm256_max_ps(top, _mm256_load_ps(sc + i));
+    __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+    float mx = _mm_cvtss_f32(_mm_max_ss(t4, _mm_movehdup_ps(t4)));
+    for (int i = n8; i < nt; i++) mx = sc[i] > mx ? sc[i] : mx;
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 sum = _mm256_setzero_ps();
+    for (int i = 0; i < n8; i += 8) {
+        const __m256 p = exp256(_mm256_sub_ps(_mm256_load_ps(sc + i), mv));
+        _mm256_store_ps(sc + i, p);
+        sum = _mm256_add_ps(sum, p);
+    }
+    float total = hsum256(sum);
+    for (int i = n8; i < nt; i++) total += sc[i] = exp_poly(sc[i] - mx);
+    const float alpha = exp_poly(*m - mx);
+    *m = mx;
+    *l = *l * alpha + total;
+    return alpha;
+}
+
+/* Query head h of row s, scaled, into qs (8 * HV floats, 32-byte aligned). */
+static inline AVX2_OPS __attribute__((always_inline)) void scaled_q256(const AttTask *t, int s, int h, const int HV,
+                                                                     float *qs) {
+    const float *qr = t->q + (size_t)s * t->q_row + (size_t)h * 8 * HV;
+    for (int j = 0; j < HV; j++)
+        _mm256_store_ps(qs + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(qr + 8 * j), _mm256_set1_ps(t->scale)));
+}
+
+/* acc = alpha acc + sum_i sc[i] V[i] for one head, 64 dims of the accumulator in registers at a time. */
+static inline AVX2_OPS __attribute__((always_inline)) void
+weighted_v256(float *acc, const float *sc, float alpha, const float *const *vr, int nt, const int HV) {
+    const __m256 al = _mm256_set1_ps(alpha);
+    for (int j0 = 0; j0 < HV; j0 += 8) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_mul_ps(_mm256_load_ps(acc + 8 * (j0 + j)), al);
+        for (int i = 0; i < nt; i++) {
+            const float *vi = vr[i] + 8 * j0;
+            const __m256 p = _mm256_broadcast_ss(sc + i);
+            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vi + 8 * j), a[j]);
+        }
+        for (int j = 0; j < 8; j++) _mm256_store_ps(acc + 8 * (j0 + j), a[j]);
+    }
+}
+
 /* The AVX-512 kernel's plan on 8 lanes, head_dim = 8 * HV (HV a multiple of 8): q in memory (each of
    its vectors serves four keys), the output accumulated 64 dims at a time in registers; about a
-   quarter faster than the portable kernel built for AVX2 on a 64-stream decode's pool reads. */
-static inline AVX2_OPS __attribute__((always_inline)) void att_row_avx2(const AttTask *t, const AttItem *it, const int HV,
-                                                                      const float *sk, const float *sv, int st0) {
+   quarter faster than the portable kernel built for AVX2 on a 64-stream decode's pool reads. One row
+   read from the pool in place. */
+static inline AVX2_OPS __attribute__((always_inline)) void att_row_avx2(const AttTask *t, const AttItem *it, const int HV) {
     const int hd = 8 * HV, nh = it->nh;
     float qs[ATT_GROUP][ATT_MAX_HD] __attribute__((aligned(32)));
     float acc[ATT_GROUP][ATT_MAX_HD] __attribute__((aligned(32)));
@@ -523,80 +571,99 @@ static inline AVX2_OPS __attribute__((always_inline)) void att_row_avx2(const At
     size_t offs[2][ATT_TILE];
     const float *kr[ATT_TILE], *vr[ATT_TILE];
     float kbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd], vbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd];
-    const __m256 scale = _mm256_set1_ps(t->scale);
     for (int g = 0; g < nh; g++) {
-        const float *qr = t->q + (size_t)it->s * t->q_row + (size_t)(it->h0 + g) * hd;
-        for (int j = 0; j < HV; j++) {
-            _mm256_store_ps(qs[g] + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(qr + 8 * j), scale));
-            _mm256_store_ps(acc[g] + 8 * j, _mm256_setzero_ps());
-        }
+        scaled_q256(t, it->s, it->h0 + g, HV, qs[g]);
+        memset(acc[g], 0, sizeof(float) * hd);
         m[g] = -INFINITY;
         l[g] = 0.f;
     }
     int nt = it->t1 - it->t0 < ATT_TILE ? it->t1 - it->t0 : ATT_TILE;
-    if (!sk) tile_offsets(t, it, it->t0, nt, offs[0]);
+    tile_offsets(t, it, it->t0, nt, offs[0]);
     for (int t0 = it->t0, cur = 0; t0 < it->t1; t0 += ATT_TILE, cur ^= 1) {
         const size_t *off = offs[cur];
         const size_t *next = offs[cur ^ 1];
         const int n_next = it->t1 - t0 - nt < ATT_TILE ? it->t1 - t0 - nt : ATT_TILE;
-        if (sk) {
-            staged_rows(sk, sv, t0 - st0, nt, hd, kr, vr);
-        } else {
-            if (n_next > 0) tile_offsets(t, it, t0 + nt, n_next, offs[cur ^ 1]);
-            tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats_avx2);
-        }
+        if (n_next > 0) tile_offsets(t, it, t0 + nt, n_next, offs[cur ^ 1]);
+        tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats_avx2);
         for (int g = 0; g < nh; g++) {
             for (int i = 0; i < nt; i += 4) {
-                if (g == 0 && !sk) prefetch_rows(t, next, i, i + 4 < n_next ? i + 4 : n_next);
+                if (g == 0) prefetch_rows(t, next, i, i + 4 < n_next ? i + 4 : n_next);
                 _mm_store_ps(sc[g] + i, dot4_avx2(qs[g], kr[i], kr[i + 1], kr[i + 2], kr[i + 3], HV));
             }
-            /* online softmax over the tile */
-            const int n8 = nt & ~7;
-            __m256 top = _mm256_set1_ps(m[g]);
-            for (int i = 0; i < n8; i += 8) top = _mm256_max_ps(top, _mm256_load_ps(sc[g] + i));
-            __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-            t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
-            float mx = _mm_cvtss_f32(_mm_max_ss(t4, _mm_movehdup_ps(t4)));
-            for (int i = n8; i < nt; i++) mx = sc[g][i] > mx ? sc[g][i] : mx;
-            const __m256 mv = _mm256_set1_ps(mx);
-            __m256 sum = _mm256_setzero_ps();
-            for (int i = 0; i < n8; i += 8) {
-                const __m256 p = exp256(_mm256_sub_ps(_mm256_load_ps(sc[g] + i), mv));
-                _mm256_store_ps(sc[g] + i, p);
-                sum = _mm256_add_ps(sum, p);
-            }
-            float total = hsum256(sum);
-            for (int i = n8; i < nt; i++) total += sc[g][i] = exp_poly(sc[g][i] - mx);
-            const float alpha = exp_poly(m[g] - mx);
-            m[g] = mx;
-            l[g] = l[g] * alpha + total;
-            /* weighted V rows, 64 dims of the accumulator in registers at a time */
-            const __m256 al = _mm256_set1_ps(alpha);
-            for (int j0 = 0; j0 < HV; j0 += 8) {
-                __m256 a[8];
-                for (int j = 0; j < 8; j++) a[j] = _mm256_mul_ps(_mm256_load_ps(acc[g] + 8 * (j0 + j)), al);
-                for (int i = 0; i < nt; i++) {
-                    const float *vi = vr[i] + 8 * j0;
-                    const __m256 p = _mm256_broadcast_ss(sc[g] + i);
-                    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vi + 8 * j), a[j]);
-                }
-                for (int j = 0; j < 8; j++) _mm256_store_ps(acc[g] + 8 * (j0 + j), a[j]);
-            }
+            weighted_v256(acc[g], sc[g], softmax_tile256(sc[g], nt, &m[g], &l[g]), vr, nt, HV);
         }
         nt = n_next;
     }
     att_finish(t, it, acc, m, l);
 }
 
+/* att_block_avx512's plan on 8 lanes: a staged item's rows tile by tile, each row's arithmetic att_row_avx2's. */
+static inline AVX2_OPS __attribute__((always_inline)) void
+att_block_avx2(const AttTask *t, const AttItem *rows, int nr, const int HV, const float *sk, const float *sv, int st0,
+               float *state) {
+    const int hd = 8 * HV, nh = rows[0].nh;
+    float(*acc)[ATT_GROUP][ATT_MAX_HD] = (float(*)[ATT_GROUP][ATT_MAX_HD])state;
+    float(*sc)[ATT_GROUP][ATT_TILE] = (float(*)[ATT_GROUP][ATT_TILE])(state + ATT_BLOCK * ATT_GROUP * ATT_MAX_HD);
+    float m[ATT_BLOCK][ATT_GROUP], l[ATT_BLOCK][ATT_GROUP], alpha[ATT_BLOCK][ATT_GROUP];
+    float qs[ATT_MAX_HD] __attribute__((aligned(32)));
+    const float *kr[ATT_TILE], *vr[ATT_TILE];
+    for (int r = 0; r < nr; r++)
+        for (int g = 0; g < nh; g++) {
+            memset(acc[r][g], 0, sizeof(float) * hd);
+            m[r][g] = -INFINITY;
+            l[r][g] = 0.f;
+        }
+    for (int t0 = st0; t0 < rows[nr - 1].t1; t0 += ATT_TILE) {
+#define TILE_ROWS(r) const int nt = rows[r].t1 - t0 < ATT_TILE ? rows[r].t1 - t0 : ATT_TILE
+        for (int r = 0; r < nr; r++) {
+            TILE_ROWS(r);
+            if (nt <= 0) continue;
+            staged_rows(sk, sv, t0 - st0, nt, hd, kr, vr);
+            for (int g = 0; g < nh; g++) {
+                scaled_q256(t, rows[r].s, rows[r].h0 + g, HV, qs);
+                for (int i = 0; i < nt; i += 4)
+                    _mm_store_ps(sc[r][g] + i, dot4_avx2(qs, kr[i], kr[i + 1], kr[i + 2], kr[i + 3], HV));
+                alpha[r][g] = softmax_tile256(sc[r][g], nt, &m[r][g], &l[r][g]);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            TILE_ROWS(r);
+            if (nt <= 0) continue;
+            staged_rows(sk, sv, t0 - st0, nt, hd, kr, vr);
+            for (int g = 0; g < nh; g++) weighted_v256(acc[r][g], sc[r][g], alpha[r][g], vr, nt, HV);
+        }
+#undef TILE_ROWS
+    }
+    for (int r = 0; r < nr; r++) att_finish(t, &rows[r], acc[r], m[r], l[r]);
+}
+
 static AVX2_OPS void att_item_avx2(const void *ctx, int index) {
     const AttTask *t = (const AttTask *)ctx;
+    const AttBlock *b = &t->items[index];
+    const float *sk, *sv;
+    int st0 = 0, nr = 0;
+    AttItem rows[ATT_BLOCK];
     prefetch_next_item(t, index);
-    EACH_ROW(t, index, kv_head_floats_avx2, switch (t->hd) {
-        case 64: att_row_avx2(t, &it, 8, sk, sv, st0); break;
-        case 128: att_row_avx2(t, &it, 16, sk, sv, st0); break;
-        case 256: att_row_avx2(t, &it, 32, sk, sv, st0); break;
-        default: att_row_portable(t, &it, sk, sv, st0); break;
-    });
+    stage_block(t, b, kv_head_floats_avx2, &sk, &sv, &st0);
+    for (int s = b->s; s < b->s + b->nr; s++) nr += row_item(t, b, s, &rows[nr]);
+    float *state = att_stage(t) + 2 * ATT_SPLIT * (size_t)t->hd;
+    if (t->hd != 64 && t->hd != 128 && t->hd != 256) {
+        for (int r = 0; r < nr; r++) att_row_portable(t, &rows[r], sk, sv, st0);
+        return;
+    }
+    for (int r = 0; r < nr && !sk; r++) {
+        switch (t->hd) {
+        case 64: att_row_avx2(t, &rows[r], 8); break;
+        case 128: att_row_avx2(t, &rows[r], 16); break;
+        default: att_row_avx2(t, &rows[r], 32); break;
+        }
+    }
+    if (nr == 0 || !sk) return;
+    switch (t->hd) {
+    case 64: att_block_avx2(t, rows, nr, 8, sk, sv, st0, state); break;
+    case 128: att_block_avx2(t, rows, nr, 16, sk, sv, st0, state); break;
+    default: att_block_avx2(t, rows, nr, 32, sk, sv, st0, state); break;
+    }
 }
 
 static inline AVX512_TARGET __attribute__((always_inline)) __m512 exp512(__m512 x) {
