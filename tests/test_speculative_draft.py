@@ -134,11 +134,12 @@ class TimedDraft:
 
 
 def test_auto_drafts_with_the_model_only_where_its_guesses_pay_for_their_time():
-    def propose(per_guess: float | None, accepted: int, tokens: list[int]) -> list[int]:
+    def propose(per_guess: float | None, accepted: int, tokens: list[int], lookup_accepted: int = 0) -> list[int]:
         spec = Speculator("auto", cost=trained_cost(lambda rows: 0.010 + 0.0001 * rows), drafter=TimedDraft(per_guess))
         seq = Sequence("s", tokens, SamplingParams())
         for _ in range(10):
             spec.record(seq, 4, accepted, by_model=True)
+            spec.record(seq, 4, lookup_accepted)
         return spec.propose(seq, 8, rows=1, decodes=1)
 
     text = list(range(40))  # nothing repeats: prompt lookup finds no draft
@@ -165,8 +166,11 @@ def test_auto_drafts_with_the_model_only_where_its_guesses_pay_for_their_time():
             spec.observe(1, 0.0101)
             drafts.append(spec.propose(seq, 8, rows=1, decodes=1))
         assert sum(map(bool, drafts)) == tries
-    # where the text repeats, prompt lookup's free guesses come first
-    assert propose(0.001, 4, list(range(20)) * 2 + [0, 1, 2])[0] == 3
+    # where the text repeats, the drafter whose draft promises more tokens a second: prompt lookup's guesses, as
+    # right as the model's, cost nothing to make; where they are mostly wrong, the model's
+    repeats = list(range(20)) * 2 + [0, 1, 2]
+    assert propose(0.001, 4, repeats, lookup_accepted=4)[0] == 3
+    assert propose(0.001, 4, repeats, lookup_accepted=0) == [PENDING] * 8
 
 
 # the engine on the tiny model ---------------------------------------------------------------------------------

@@ -8,9 +8,11 @@ how long each sequence's draft is, and the draft model makes all of a step's dra
 
 What a row costs depends on the machine and the batch: while a step is bound by reading the weights (one
 stream on a CPU, most batches on a GPU) extra rows are nearly free; a CPU step of a 1B model is compute-bound
-from about two rows on, where each row costs about half a one-row step. So "auto" measures it: StepCost fits
-a step's time against its rows as the engine runs, and each draft is as long as maximizes the step's expected
-tokens per second, given the sequence's measured acceptance (0 tokens, no draft, where none pays).
+from about two rows on, where each row costs about half a one-row step; float32 weights on BLAS take twice as
+long for two rows as for one, and little more for nine. So "auto" measures it: StepCost keeps the median time
+of each row count the engine ran, and each draft is as long as maximizes the step's expected tokens per second,
+given the sequence's measured acceptance (0 tokens, no draft, where none pays by a margin); with a draft model
+too, the drafter whose draft promises more.
 
 Modes: "off"; "ngram" drafts whenever a match is found, as long as it may; "draft" drafts with the draft model
 every step, as long as it may; "auto" as above, with the draft model where prompt lookup finds nothing worth
@@ -35,13 +37,15 @@ if TYPE_CHECKING:
 MAX_DRAFT = 8  # tokens one draft may hold
 NGRAM_MAX = 3  # longest suffix looked up first
 NGRAM_MIN = 1
-COST_WINDOW = 256  # recent steps the cost of a row is fit over
-MIN_SAMPLES = 3  # steps at each of two row counts before the fit is trusted
-EXPLORE_DRAFT = 2  # longest draft "auto" tries while the cost or a sequence's acceptance is not yet known
+COST_WINDOW = 256  # recent steps the step times are read from
+MIN_SAMPLES = 3  # steps at a row count before their median is trusted
+EXPLORE_DRAFT = 2  # the draft "auto" tries now and then where its estimates advise against one
 EXPLORE_EVERY = 64  # steps between tries of a draft the estimates say does not pay, so they can change their mind
 HOPELESS_EVERY = 16 * EXPLORE_EVERY  # and where even guesses all right would not pay for the time they take to make
-FIRST_CHECKS = 2  # drafts each sequence may try before its acceptance is trusted
+FIRST_CHECKS = 2  # drafts each sequence may try before its acceptance is trusted (of each drafter)
 DECAY = 0.9  # weight an acceptance record keeps at each step with a draft to propose (a draft model's: each check)
+MARGIN = 0.05  # more tokens a second a draft must promise than none: a check's host work (its rows' sampling,
+# the rollback) is not in the step time the estimates are made of
 PENDING = -1  # a place in a draft the draft model fills once the step is scheduled (Speculator.propose)
 
 
@@ -75,33 +79,39 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class StepCost:
-    """A step's time as a line in its query rows, t = a + b * rows, fit by least squares over the recent steps
-    whose rows lie near the row counts asked about (a long prefill chunk runs in another regime)."""
+    """A step's time by its query rows: the median of the recent steps with as many rows, else read off the line
+    through the medians of the nearby row counts above one (one row runs other kernels than several: a
+    matrix-vector product, the decode kernels), else, with a single such count, the line from one row to it. A line
+    through all counts, one row's included, told a 9-row step's time at twice what it was."""
 
     def __init__(self, window: int = COST_WINDOW):
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
-        self._fits: dict[tuple[int, int], tuple[float, float] | None] = {}  # this step's, by row range
+        self._medians: dict[int, float] | None = None  # by row count, while no step is observed
 
     def observe(self, rows: int, seconds: float) -> None:
         self._samples.append((rows, seconds))
-        self._fits.clear()
+        self._medians = None
 
-    def line(self, lo: int, hi: int) -> tuple[float, float] | None:
-        """(a, b) fit over steps of lo..hi rows; None until two row counts there were seen MIN_SAMPLES times."""
-        key = (lo, hi)
-        if key not in self._fits:
-            self._fits[key] = self._fit(lo, hi)
-        return self._fits[key]
-
-    def _fit(self, lo: int, hi: int) -> tuple[float, float] | None:
-        near = np.array([s for s in self._samples if lo <= s[0] <= hi], dtype=np.float64).reshape(-1, 2)
-        counts = np.unique(near[:, 0], return_counts=True)[1]
-        if np.sum(counts >= MIN_SAMPLES) < 2:
-            return None
-        rows, t = near[:, 0], near[:, 1]
-        # noise can tilt the line down: rows are then taken as free, which drafting tests again soon enough
-        b = max(0.0, float(np.cov(rows, t, bias=True)[0, 1] / np.var(rows)))
-        return float(t.mean() - b * rows.mean()), b
+    def times(self, rows: int, most: int) -> list[float] | None:
+        """Estimated seconds of a step of rows, rows + 1, ..., rows + most rows; None until they can be told."""
+        if self._medians is None:
+            by_rows: dict[int, list[float]] = {}
+            for n, t in self._samples:
+                by_rows.setdefault(n, []).append(t)
+            self._medians = {n: float(np.median(ts)) for n, ts in by_rows.items() if len(ts) >= MIN_SAMPLES}
+        # a long prefill chunk runs in another regime: only row counts near those asked about
+        near = [(n, t) for n, t in self._medians.items() if max(2, rows // 2) <= n <= 2 * (rows + most)]
+        if len(near) == 1 and 1 in self._medians:
+            near.append((1, self._medians[1]))
+        line = None
+        if len(near) >= 2:
+            c, t = np.array(near).T
+            # noise can tilt the line down: rows are then taken as free, which drafting tests again soon enough
+            b = max(0.0, float(np.cov(c, t, bias=True)[0, 1] / np.var(c)))
+            line = (float(t.mean() - b * c.mean()), b)
+        out = [self._medians.get(n, line[0] + line[1] * n if line and n > 1 else None)
+               for n in range(rows, rows + most + 1)]
+        return None if None in out else out  # type: ignore[return-value]
 
 
 @dataclass
@@ -135,7 +145,7 @@ class Speculator:
         self.drafted = 0  # every sequence's draft tokens so far
         self.accepted = 0
         self.verify_steps = 0  # sequence-steps that checked a draft
-        self._since_try = 0  # steps since "auto" last tried a draft its estimates advised against
+        self._since_try = {"ngram": 0, "model": 0}  # steps since "auto" last tried each drafter's advised-against draft
 
     def mode_for(self, seq: Sequence) -> str:
         """The request's own mode where it gave one, else the engine's."""
@@ -155,12 +165,13 @@ class Speculator:
         draft = lookup_draft(seq.token_ids, most)
         if mode == "ngram":
             return draft
-        if draft and (k := self._length(seq.draft_state, len(draft), rows, decodes, 0.0)):
-            return draft[:k]
-        if self.drafter is None:
-            return []
-        return self._model_draft(seq, self._length(seq.model_draft_state, most, rows, decodes,
-                                                   self.drafter.seconds_per_guess, fade=False))
+        # each drafter's best draft and its expected tokens per second (a try: -1), the faster taken
+        lookup = self._length("ngram", seq.draft_state, len(draft), rows, decodes, 0.0) if draft else (0, 0.0)
+        model = (0, 0.0) if self.drafter is None else self._length(
+            "model", seq.model_draft_state, most, rows, decodes, self.drafter.seconds_per_guess, fade=False)
+        if model[0] and (not lookup[0] or model[1] > lookup[1]):
+            return self._model_draft(seq, model[0])
+        return draft[: lookup[0]]
 
     def _model_draft(self, seq: Sequence, k: int) -> list[int]:
         """k places for the draft model to fill, where its pool has room for them."""
@@ -168,32 +179,37 @@ class Speculator:
             return []
         return [PENDING] * k
 
-    def _length(self, state: DraftState, most: int, rows: int, decodes: int, per_guess: float | None,
-                fade: bool = True) -> int:
-        """How many of at most `most` guesses "auto" checks, given the drafter's acceptance record (state) and the
-        seconds it takes to make one guess (None: not yet timed, so only a try drafts, which times it). fade: the
-        record fades at this step (prompt lookup's; a draft model's fades at its checks, see record)."""
+    def _length(self, drafter: str, state: DraftState, most: int, rows: int, decodes: int, per_guess: float | None,
+                fade: bool = True) -> tuple[int, float]:
+        """How many of at most `most` guesses "auto" checks from `drafter`, given its acceptance record (state) and
+        the seconds it takes to make one guess (None: not yet timed, so only a try drafts, which times it), and the
+        step's expected tokens per second with them (-1 for a try). fade: the record fades at this step (prompt
+        lookup's; a draft model's fades at its checks, see record)."""
         if fade:
             state.hits, state.misses = state.hits * DECAY, state.misses * DECAY
-        line = self.cost.line(max(1, rows // 2), 2 * (rows + self.max_draft))
-        k = 0 if line is None or per_guess is None else best_draft(state.acceptance, most, rows, decodes, line,
-                                                                     per_guess)
-        # an estimate that never drafts could never learn otherwise: now and then, one short draft in a step
-        # (while an estimate is missing, every other step, so the steps without it are timed too); far more rarely
-        # where even guesses all right would not pay for the time they take to make (a draft model too slow here:
-        # its time is measured again only so that one slow measurement cannot turn it off for good)
-        due = EXPLORE_EVERY if line is not None and state.checks >= FIRST_CHECKS else 2
-        if line is not None and per_guess is not None and best_draft(1.0, most, rows, decodes, line, per_guess) == 0:
+        times = self.cost.times(rows, most)
+        k, rate = (0, 0.0) if times is None or per_guess is None else best_draft(state.acceptance, decodes, times,
+                                                                              per_guess)
+        # an estimate that never drafts could never learn otherwise: now and then, one short draft in a step (while an
+        # estimate is missing, every other step, so the steps without it are timed too); far more rarely where even
+        # guesses all right would not pay for the time they take to make (a draft model too slow here: its time is
+        # measured again only so that one slow measurement cannot turn it off for good)
+        due = EXPLORE_EVERY if times is not None and state.checks >= FIRST_CHECKS else 2
+        if times is not None and per_guess is not None and best_draft(1.0, decodes, times, per_guess)[0] == 0:
             due = HOPELESS_EVERY
-        if k == 0 and self._since_try >= due:
-            self._since_try = 0
-            k = min(EXPLORE_DRAFT, most)
-        return k
+        if k == 0 and self._since_try[drafter] >= due:
+            self._since_try[drafter] = 0
+            # a draft model's every other try as long as may be: its guesses are made one pass each, so the time of
+            # a long check must be known to tell whether one pays (prompt lookup's drafts are as long as it finds)
+            long_try = drafter == "model" and state.checks % 2 == 1
+            return most if long_try else min(EXPLORE_DRAFT, most), -1.0
+        return k, rate
 
     def observe(self, rows: int, seconds: float) -> None:
         """Record a step's model time and its query rows."""
         self.cost.observe(rows, seconds)
-        self._since_try += 1
+        for drafter in self._since_try:
+            self._since_try[drafter] += 1
 
     def record(self, seq: Sequence, drafted: int, accepted: int, by_model: bool = False) -> None:
         """Count a checked draft (by_model: the draft model's): accepted guesses are hits, the first rejected one
@@ -213,15 +229,14 @@ class Speculator:
         self.verify_steps += 1
 
 
-def best_draft(alpha: float, most: int, rows: int, decodes: int, line: tuple[float, float],
-               per_guess: float = 0.0) -> int:
-    """The draft length, 0..most, that maximizes the step's expected tokens per second under the cost line, each
-    guess taking per_guess seconds more to make (a draft model's forward pass; prompt lookup's are free).
+def best_draft(alpha: float, decodes: int, times: list[float], per_guess: float = 0.0) -> tuple[int, float]:
+    """The draft length k, 0..len(times) - 1, that maximizes the step's expected tokens per second, and that rate
+    (0 unless it beats no draft by MARGIN); the step takes times[k] seconds with it, and each guess per_guess seconds
+    more to make (a draft model's forward pass; prompt lookup's are free).
 
-    The step without this draft is taken to give one token per decoding sequence in rows rows: drafts chosen
+    The step without this draft (times[0]) is taken to give one token per decoding sequence: drafts chosen
     earlier in the step count in its rows but not in its tokens, and prefill chunks scheduled after the decodes
     in neither, which both err toward drafting a little more than pays."""
-    a, b = line
-    rates = [(decodes - 1 + expected_tokens(alpha, k)) / max(a + b * (rows + k) + per_guess * k, 1e-12)
-             for k in range(most + 1)]
-    return int(np.argmax(rates))
+    rates = [(decodes - 1 + expected_tokens(alpha, k)) / max(t + per_guess * k, 1e-12) for k, t in enumerate(times)]
+    k = int(np.argmax(rates))
+    return (k, rates[k]) if rates[k] > (1 + MARGIN) * rates[0] else (0, rates[0])
