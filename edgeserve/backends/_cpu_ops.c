@@ -286,6 +286,28 @@ INLINE void staged_rows(const float *sk, const float *sv, int i0, int nt, int hd
     for (int i = nt; i < ((nt + 3) & ~3); i++) kr[i] = kr[nt - 1];
 }
 
+/* The rows of a staged item as they go tile by tile: accumulators and scores in the thread's stage (64-byte
+   aligned, ATT_BLOCK_STATE floats), each head's running max and sum, and its accumulator's factor at this tile. */
+typedef struct {
+    float (*acc)[ATT_GROUP][ATT_MAX_HD];
+    float (*sc)[ATT_GROUP][ATT_TILE];
+    float m[ATT_BLOCK][ATT_GROUP], l[ATT_BLOCK][ATT_GROUP], alpha[ATT_BLOCK][ATT_GROUP];
+} BlockState;
+
+INLINE void block_start(BlockState *b, float *state, int nr, int nh, int hd) {
+    b->acc = (float(*)[ATT_GROUP][ATT_MAX_HD])state;
+    b->sc = (float(*)[ATT_GROUP][ATT_TILE])(state + ATT_BLOCK * ATT_GROUP * ATT_MAX_HD);
+    for (int r = 0; r < nr; r++)
+        for (int g = 0; g < nh; g++) {
+            memset(b->acc[r][g], 0, sizeof(float) * hd);
+            b->m[r][g] = -INFINITY;
+            b->l[r][g] = 0.f;
+        }
+}
+
+/* A row's keys in the tile from t0 (none or fewer past its last). */
+INLINE int tile_keys(const AttItem *row, int t0) { return row->t1 - t0 < ATT_TILE ? row->t1 - t0 : ATT_TILE; }
+
 /* Runs item `index` of task t: stages its rows (by `convert`), then the statements for each of its rows that
    has keys in the item's range, with that row's AttItem `it` and the stage's sk, sv and st0 in scope. */
 #define EACH_ROW(t, index, convert, ...)                                  \
@@ -602,39 +624,30 @@ static inline AVX2_OPS __attribute__((always_inline)) void
 att_block_avx2(const AttTask *t, const AttItem *rows, int nr, const int HV, const float *sk, const float *sv, int st0,
                float *state) {
     const int hd = 8 * HV, nh = rows[0].nh;
-    float(*acc)[ATT_GROUP][ATT_MAX_HD] = (float(*)[ATT_GROUP][ATT_MAX_HD])state;
-    float(*sc)[ATT_GROUP][ATT_TILE] = (float(*)[ATT_GROUP][ATT_TILE])(state + ATT_BLOCK * ATT_GROUP * ATT_MAX_HD);
-    float m[ATT_BLOCK][ATT_GROUP], l[ATT_BLOCK][ATT_GROUP], alpha[ATT_BLOCK][ATT_GROUP];
+    BlockState b;
     float qs[ATT_MAX_HD] __attribute__((aligned(32)));
     const float *kr[ATT_TILE], *vr[ATT_TILE];
-    for (int r = 0; r < nr; r++)
-        for (int g = 0; g < nh; g++) {
-            memset(acc[r][g], 0, sizeof(float) * hd);
-            m[r][g] = -INFINITY;
-            l[r][g] = 0.f;
-        }
+    block_start(&b, state, nr, nh, hd);
     for (int t0 = st0; t0 < rows[nr - 1].t1; t0 += ATT_TILE) {
-#define TILE_ROWS(r) const int nt = rows[r].t1 - t0 < ATT_TILE ? rows[r].t1 - t0 : ATT_TILE
         for (int r = 0; r < nr; r++) {
-            TILE_ROWS(r);
+            const int nt = tile_keys(&rows[r], t0);
             if (nt <= 0) continue;
             staged_rows(sk, sv, t0 - st0, nt, hd, kr, vr);
             for (int g = 0; g < nh; g++) {
                 scaled_q256(t, rows[r].s, rows[r].h0 + g, HV, qs);
                 for (int i = 0; i < nt; i += 4)
-                    _mm_store_ps(sc[r][g] + i, dot4_avx2(qs, kr[i], kr[i + 1], kr[i + 2], kr[i + 3], HV));
-                alpha[r][g] = softmax_tile256(sc[r][g], nt, &m[r][g], &l[r][g]);
+                    _mm_store_ps(b.sc[r][g] + i, dot4_avx2(qs, kr[i], kr[i + 1], kr[i + 2], kr[i + 3], HV));
+                b.alpha[r][g] = softmax_tile256(b.sc[r][g], nt, &b.m[r][g], &b.l[r][g]);
             }
         }
         for (int r = 0; r < nr; r++) {
-            TILE_ROWS(r);
+            const int nt = tile_keys(&rows[r], t0);
             if (nt <= 0) continue;
             staged_rows(sk, sv, t0 - st0, nt, hd, kr, vr);
-            for (int g = 0; g < nh; g++) weighted_v256(acc[r][g], sc[r][g], alpha[r][g], vr, nt, HV);
+            for (int g = 0; g < nh; g++) weighted_v256(b.acc[r][g], b.sc[r][g], b.alpha[r][g], vr, nt, HV);
         }
-#undef TILE_ROWS
     }
-    for (int r = 0; r < nr; r++) att_finish(t, &rows[r], acc[r], m[r], l[r]);
+    for (int r = 0; r < nr; r++) att_finish(t, &rows[r], b.acc[r], b.m[r], b.l[r]);
 }
 
 static AVX2_OPS void att_item_avx2(const void *ctx, int index) {
@@ -819,41 +832,33 @@ static inline AVX512_TARGET __attribute__((always_inline)) void
 att_block_avx512(const AttTask *t, const AttItem *rows, int nr, const int HV, const float *sk, const float *sv, int st0,
                  float *state) {
     const int hd = 16 * HV, nh = rows[0].nh;
-    float(*acc)[ATT_GROUP][ATT_MAX_HD] = (float(*)[ATT_GROUP][ATT_MAX_HD])state;
-    float(*sc)[ATT_GROUP][ATT_TILE] = (float(*)[ATT_GROUP][ATT_TILE])(state + ATT_BLOCK * ATT_GROUP * ATT_MAX_HD);
-    float m[ATT_BLOCK][ATT_GROUP], l[ATT_BLOCK][ATT_GROUP], alpha[ATT_BLOCK][ATT_GROUP];
+    BlockState b;
     const float *kr[ATT_TILE], *vr[ATT_TILE];
-    for (int r = 0; r < nr; r++)
-        for (int g = 0; g < nh; g++) {
-            memset(acc[r][g], 0, sizeof(float) * hd);
-            m[r][g] = -INFINITY;
-            l[r][g] = 0.f;
-        }
+    block_start(&b, state, nr, nh, hd);
     for (int t0 = st0; t0 < rows[nr - 1].t1; t0 += ATT_TILE) {
-#define TILE_ROWS(r) const int nt = rows[r].t1 - t0 < ATT_TILE ? rows[r].t1 - t0 : ATT_TILE
         for (int r = 0; r < nr; r++) {
-            TILE_ROWS(r);
+            const int nt = tile_keys(&rows[r], t0);
             if (nt <= 0) continue;
             staged_rows(sk, sv, t0 - st0, nt, hd, kr, vr);
             for (int g = 0; g < nh; g++) {
                 __m512 q[ATT_MAX_HD / 16];
                 scaled_q512(t, rows[r].s, rows[r].h0 + g, HV, q);
-                for (int i = 0; i < nt; i += 4) scores4_512(q, kr, i, HV, sc[r][g]);
+                for (int i = 0; i < nt; i += 4) scores4_512(q, kr, i, HV, b.sc[r][g]);
             }
         }
         for (int r = 0; r < nr; r++) {
-            TILE_ROWS(r);
-            for (int g = 0; nt > 0 && g < nh; g++) alpha[r][g] = softmax_tile512(sc[r][g], nt, &m[r][g], &l[r][g]);
+            const int nt = tile_keys(&rows[r], t0);
+            for (int g = 0; nt > 0 && g < nh; g++)
+                b.alpha[r][g] = softmax_tile512(b.sc[r][g], nt, &b.m[r][g], &b.l[r][g]);
         }
         for (int r = 0; r < nr; r++) {
-            TILE_ROWS(r);
+            const int nt = tile_keys(&rows[r], t0);
             if (nt <= 0) continue;
             staged_rows(sk, sv, t0 - st0, nt, hd, kr, vr);
-            weighted_v_tile512(acc[r], sc[r], alpha[r], vr, nt, nh, HV);
+            weighted_v_tile512(b.acc[r], b.sc[r], b.alpha[r], vr, nt, nh, HV);
         }
-#undef TILE_ROWS
     }
-    for (int r = 0; r < nr; r++) att_finish(t, &rows[r], acc[r], m[r], l[r]);
+    for (int r = 0; r < nr; r++) att_finish(t, &rows[r], b.acc[r], b.m[r], b.l[r]);
 }
 
 static AVX512_TARGET void att_item_avx512(const void *ctx, int index) {
