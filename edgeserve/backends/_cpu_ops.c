@@ -308,19 +308,6 @@ INLINE void block_start(BlockState *b, float *state, int nr, int nh, int hd) {
 /* A row's keys in the tile from t0 (none or fewer past its last). */
 INLINE int tile_keys(const AttItem *row, int t0) { return row->t1 - t0 < ATT_TILE ? row->t1 - t0 : ATT_TILE; }
 
-/* Runs item `index` of task t: stages its rows (by `convert`), then the statements for each of its rows that
-   has keys in the item's range, with that row's AttItem `it` and the stage's sk, sv and st0 in scope. */
-#define EACH_ROW(t, index, convert, ...)                                  \
-    do {                                                                  \
-        const AttBlock *b_ = &(t)->items[index];                          \
-        const float *sk, *sv;                                             \
-        int st0 = 0;                                                      \
-        AttItem it;                                                       \
-        stage_block(t, b_, convert, &sk, &sv, &st0);                      \
-        for (int s_ = b_->s; s_ < b_->s + b_->nr; s_++)                   \
-            if (row_item(t, b_, s_, &it)) { __VA_ARGS__; }                \
-    } while (0)
-
 /* The item's result: normalized into out, or (acc, max, sum) into its slot for merging. */
 static void att_finish(const AttTask *t, const AttItem *it, float (*acc)[ATT_MAX_HD], const float *m, const float *l) {
     const int hd = t->hd;
@@ -438,9 +425,16 @@ INLINE void att_row_portable(const AttTask *t, const AttItem *it, const float *s
     att_finish(t, it, acc, m, l);
 }
 
+/* Item `index`: its stage (several rows), then each of its rows with keys in its range. */
 static void att_item_generic(const void *ctx, int index) {
     const AttTask *t = (const AttTask *)ctx;
-    EACH_ROW(t, index, kv_head_floats, att_row_portable(t, &it, sk, sv, st0));
+    const AttBlock *b = &t->items[index];
+    const float *sk, *sv;
+    int st0 = 0;
+    AttItem it;
+    stage_block(t, b, kv_head_floats, &sk, &sv, &st0);
+    for (int s = b->s; s < b->s + b->nr; s++)
+        if (row_item(t, b, s, &it)) att_row_portable(t, &it, sk, sv, st0);
 }
 
 #ifdef QM_X86
