@@ -251,14 +251,19 @@ INLINE int row_item(const AttTask *t, const AttBlock *b, int s, AttItem *it) {
     return 1;
 }
 
-/* Item b's K and V rows of its key range (its last row's, which holds the others' keys) copied into this
-   thread's stage as float32 (by `convert` from float16 or int8); *sk stays NULL for a one-row item, which
-   reads the pool in place. */
-INLINE void stage_block(const AttTask *t, const AttBlock *b, void (*convert)(const char *, int, int, float *),
-                        const float **sk, const float **sv, int *st0) {
-    AttItem last;
+/* Item `index`'s rows that have keys in its range, into rows (returns how many: a suffix of the item's rows,
+   which are one key longer each); for an item of several rows, their K and V rows of the range (the last row's,
+   which holds the others' keys) copied into this thread's stage as float32 (by `convert` from float16 or int8).
+   *sk stays NULL for a one-row item, which reads the pool in place. */
+INLINE int block_rows(const AttTask *t, int index, void (*convert)(const char *, int, int, float *), AttItem *rows,
+                      const float **sk, const float **sv, int *st0) {
+    const AttBlock *b = &t->items[index];
+    int nr = 0;
+    for (int s = b->s; s < b->s + b->nr; s++) nr += row_item(t, b, s, &rows[nr]);
     *sk = *sv = NULL;
-    if (b->nr < 2 || !row_item(t, b, b->s + b->nr - 1, &last)) return;
+    *st0 = 0;
+    if (b->nr < 2 || nr == 0) return nr;
+    const AttItem last = rows[nr - 1];
     float *k = att_stage(t), *v = k + (size_t)ATT_SPLIT * t->hd;
     size_t off[ATT_SPLIT];
     const int n = last.t1 - last.t0;
@@ -275,6 +280,7 @@ INLINE void stage_block(const AttTask *t, const AttBlock *b, void (*convert)(con
     *sk = k;
     *sv = v;
     *st0 = last.t0;
+    return nr;
 }
 
 /* A tile's rows in a stage: rows i0..i0+nt-1 of sk and sv; rows nt.. up to a multiple of 4 repeat the last. */
@@ -428,13 +434,11 @@ INLINE void att_row_portable(const AttTask *t, const AttItem *it, const float *s
 /* Item `index`: its stage (several rows), then each of its rows with keys in its range. */
 static void att_item_generic(const void *ctx, int index) {
     const AttTask *t = (const AttTask *)ctx;
-    const AttBlock *b = &t->items[index];
     const float *sk, *sv;
-    int st0 = 0;
-    AttItem it;
-    stage_block(t, b, kv_head_floats, &sk, &sv, &st0);
-    for (int s = b->s; s < b->s + b->nr; s++)
-        if (row_item(t, b, s, &it)) att_row_portable(t, &it, sk, sv, st0);
+    int st0;
+    AttItem rows[ATT_BLOCK];
+    const int nr = block_rows(t, index, kv_head_floats, rows, &sk, &sv, &st0);
+    for (int r = 0; r < nr; r++) att_row_portable(t, &rows[r], sk, sv, st0);
 }
 
 #ifdef QM_X86
@@ -646,13 +650,11 @@ att_block_avx2(const AttTask *t, const AttItem *rows, int nr, const int HV, cons
 
 static AVX2_OPS void att_item_avx2(const void *ctx, int index) {
     const AttTask *t = (const AttTask *)ctx;
-    const AttBlock *b = &t->items[index];
     const float *sk, *sv;
-    int st0 = 0, nr = 0;
+    int st0;
     AttItem rows[ATT_BLOCK];
     prefetch_next_item(t, index);
-    stage_block(t, b, kv_head_floats_avx2, &sk, &sv, &st0);
-    for (int s = b->s; s < b->s + b->nr; s++) nr += row_item(t, b, s, &rows[nr]);
+    const int nr = block_rows(t, index, kv_head_floats_avx2, rows, &sk, &sv, &st0);
     float *state = att_stage(t) + 2 * ATT_SPLIT * (size_t)t->hd;
     if (t->hd != 64 && t->hd != 128 && t->hd != 256) {
         for (int r = 0; r < nr; r++) att_row_portable(t, &rows[r], sk, sv, st0);
@@ -857,12 +859,10 @@ att_block_avx512(const AttTask *t, const AttItem *rows, int nr, const int HV, co
 
 static AVX512_TARGET void att_item_avx512(const void *ctx, int index) {
     const AttTask *t = (const AttTask *)ctx;
-    const AttBlock *b = &t->items[index];
     const float *sk, *sv;
-    int st0 = 0, nr = 0;
+    int st0;
     AttItem rows[ATT_BLOCK];
-    stage_block(t, b, kv_head_floats_avx2, &sk, &sv, &st0);
-    for (int s = b->s; s < b->s + b->nr; s++) nr += row_item(t, b, s, &rows[nr]);
+    const int nr = block_rows(t, index, kv_head_floats_avx2, rows, &sk, &sv, &st0);
     float *state = att_stage(t) + 2 * ATT_SPLIT * (size_t)t->hd;
     if (nr == 0) return;
     if (!sk) {
