@@ -28,8 +28,8 @@ UNIX = sys.platform != "win32"
 QMATMUL = Extension(
     "edgeserve.backends._qmatmul",
     sources=["edgeserve/backends/_qmatmul.c", "edgeserve/backends/_cpu_ops.c",
-             "edgeserve/backends/_decoder.c", "edgeserve/backends/_pool.c"],
-    depends=["edgeserve/backends/_qmatmul.h", "edgeserve/backends/_pool.h"],
+             "edgeserve/backends/_decoder.c", "edgeserve/backends/_pool.c", "edgeserve/backends/_logits.c"],
+    depends=["edgeserve/backends/_qmatmul.h", "edgeserve/backends/_pool.h", "edgeserve/backends/_vmath.h"],
     extra_compile_args=["-O3", "-std=c11", "-pthread", "-fno-trapping-math"] if UNIX else ["/O2"],
     extra_link_args=["-pthread"] if UNIX else [],
     optional=True,

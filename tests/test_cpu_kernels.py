@@ -1,5 +1,5 @@
-"""The C ops of the CPU path (decode attention, RMSNorm, RoPE, SiLU gate, KV writes) against the numba kernel
-and the NumPy code they replace: every code path this CPU runs, one thread and the pool, ragged
+"""The C ops of the CPU path (decode attention, RMSNorm, RoPE, SiLU gate, KV writes, the sampler's draws and
+logprobs) against the numba kernel and the NumPy code they replace: every code path this CPU runs, one thread and the pool, ragged
 batches whose contexts cross blocks, one row and many; and the fallback when the extension is
 absent or an array's layout is one the C ops do not take."""
 
@@ -11,6 +11,10 @@ import pytest
 from edgeserve.backends import cpu_kernels, kv_formats, qmatmul
 from edgeserve.backends.numpy_backend import NumpyBackend, NumpyMeta
 from edgeserve.batch import random_paged_batch
+from edgeserve.engine import sampler
+from edgeserve.engine.constraints import MASKED_LOGIT
+from edgeserve.engine.sequence import Sequence
+from edgeserve.sampling_params import SamplingParams
 
 ext = cpu_kernels.ops
 needs_ext = pytest.mark.skipif(ext is None, reason="the C extension is not built (or EDGESERVE_QMATMUL=numba)")
@@ -271,3 +275,61 @@ def test_fallback_when_extension_is_absent(no_ext):
     q, k, v, tables, ctx = attention_case(4, 16, 3, 3, 64, [1, 100, 900, 17, 40])
     np.testing.assert_allclose(cpu_kernels.decode_attention(q, k, v, tables, ctx),
                                numba_attention(q, k, v, tables, ctx), atol=1e-6, rtol=0)
+
+
+# the sampler's ops ---------------------------------------------------------------------------------
+
+
+def logit_rows(seed: int) -> np.ndarray:
+    """Rows of a vocabulary that is no multiple of 16: spread logits, a grammar's row, ties, a NaN, an inf."""
+    x = (np.random.default_rng(seed).standard_normal((8, 49157)) * 4).astype(np.float32)
+    x[2, 100:] = MASKED_LOGIT
+    x[3, :] = 1.5
+    x[4, 9] = np.nan
+    x[5, 3] = np.inf
+    x[6, :] = MASKED_LOGIT
+    return x
+
+
+def test_draws_pick_the_token_a_float64_cumulative_sum_picks(isa, threads):
+    x = logit_rows(11)
+    rows = np.array([7, 0, 2, 3, 4, 1, 5, 6], np.int64)
+    inv_t = np.array([1 / 0.7, 1.0, 2.0, 1.0, 1 / 1.3, 10.0, 1.0, 1.0], np.float32)
+    u = np.random.default_rng(12).random(len(rows))
+    u[1] = 0.0
+    token = np.full(len(rows), -7, np.int64)
+    assert ext.sample_logits(x, rows, inv_t, u, token)
+    for i, r in enumerate(rows[:6]):
+        z = (x[r].astype(np.float64) - np.nanmax(x[r])) * inv_t[i]
+        w = np.where(np.isnan(z), 0.0, np.exp(z))
+        assert token[i] == np.searchsorted(np.cumsum(w) / w.sum(), u[i], side="right"), (i, r)
+    assert token[2] < 100  # the grammar's row: an allowed token
+    assert token[6] == -1 and token[7] == -1  # inf, and every token masked: left to the caller
+
+
+def test_logit_stats_give_the_log_sum_exp_and_the_top_ids(isa, threads):
+    x = logit_rows(13)
+    rows = np.array([7, 0, 2, 3, 4, 1, 5], np.int64)
+    norm, top = np.empty(len(rows)), np.empty((len(rows), 20), np.int64)
+    assert ext.logit_stats(x, rows, norm, top)
+    for i, r in enumerate(rows):
+        z = x[r].astype(np.float64)
+        finite = z[~np.isnan(z)]
+        if np.isinf(finite).any():
+            assert np.isnan(norm[i])
+        else:
+            assert norm[i] == pytest.approx(finite.max() + np.log(np.exp(finite - finite.max()).sum()), abs=1e-6)
+        assert top[i].tolist() == np.argsort(-z, kind="stable")[:20].tolist()  # of equal logits the lower id
+
+
+def test_sampling_at_a_temperature_follows_the_distribution():
+    logits = np.full((1, 1000), -20.0, np.float32)
+    logits[0, :6] = [3.0, 2.5, 2.0, 1.0, 0.5, -1.0]
+    seq = Sequence("s", [1], SamplingParams(temperature=0.7, seed=5))
+    draws = np.bincount([sampler.sample(logits, [seq])[0][0] for _ in range(4000)], minlength=1000)
+    p = np.exp(logits[0].astype(np.float64) / 0.7)
+    p /= p.sum()
+    assert np.allclose(draws / 4000, p, atol=0.025)
+    again = Sequence("s", [1], SamplingParams(temperature=0.7, seed=5))
+    assert [sampler.sample(logits, [again])[0][0] for _ in range(50)] == [
+        int(np.searchsorted(np.cumsum(p) / p.sum(), u, side="right")) for u in np.random.default_rng(5).random(50)]

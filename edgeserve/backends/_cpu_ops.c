@@ -31,6 +31,7 @@ elsewhere, written as lane loops that compilers vectorize (NEON included), and b
 and third time inside AVX2 and AVX-512 target functions for the small ops on x86.
 */
 #include "_qmatmul.h"
+#include "_vmath.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -50,27 +51,6 @@ and third time inside AVX2 and AVX-512 target functions for the small ops on x86
 #define HAVE_FLOAT16 1
 typedef _Float16 half_t;
 #endif
-
-/* ---- exp: Cephes expf, range-reduced by round(x / ln 2), with the rounding done by adding and
-   subtracting 1.5 * 2^23 so that it vectorizes without -ffast-math ---- */
-
-INLINE float exp_poly(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    x = x > 88.3f ? 88.3f : x;
-    float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
 
 /* ---- decode attention ---- */
 
@@ -446,24 +426,6 @@ static void att_item_generic(const void *ctx, int index) {
 
 #define AVX2_OPS __attribute__((target("avx2,fma,f16c")))
 
-/* exp_poly on 8 lanes */
-static inline AVX2_OPS __attribute__((always_inline)) __m256 exp256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 /* kv_head_floats for hd a multiple of 8, by F16C and AVX2: the same bits. */
 static AVX2_OPS void kv_head_floats_avx2(const char *src, int kv_type, int hd, float *dst) {
     if (kv_type == QM_KV_I8) {
@@ -673,22 +635,6 @@ static AVX2_OPS void att_item_avx2(const void *ctx, int index) {
     case 128: att_block_avx2(t, rows, nr, 16, sk, sv, st0, state); break;
     default: att_block_avx2(t, rows, nr, 32, sk, sv, st0, state); break;
     }
-}
-
-static inline AVX512_TARGET __attribute__((always_inline)) __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* The horizontal sums of four vectors, as the four lanes of one: 11 shuffles and adds where four
@@ -1386,6 +1332,78 @@ PyObject *qm_py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     qm_write_kv(c->buf, kv_type, (const float *)x->buf, row_stride(x), slots, (int)sl->shape[0], (int)x->shape[1],
                 (int)x->shape[2]);
+    release(&bs);
+    Py_RETURN_TRUE;
+}
+
+/* ---- the sampler's ops (_logits.c) ---- */
+
+static int is_f64(const Py_buffer *b) { return b->itemsize == 8 && b->format && !strcmp(b->format, "d"); }
+
+/* Whether x is float32 [*, V] with unit column stride and rows a 1-D int64 array of its rows; each of the `n`
+   outputs a C-contiguous array whose first dimension has as many entries as rows. */
+static int logit_rows_ok(const Py_buffer *x, const Py_buffer *rows, Py_buffer *const *outs, int n) {
+    if (x->ndim != 2 || !qm_is_f32(x) || (x->shape[1] > 1 && x->strides[1] != 4) || row_stride(x) < 0 ||
+        x->shape[1] > INT32_MAX || rows->ndim != 1 || !qm_is_i64(rows) || !c_contiguous(rows))
+        return 0;
+    for (int i = 0; i < n; i++)
+        if (outs[i]->ndim < 1 || outs[i]->shape[0] != rows->shape[0] || !c_contiguous(outs[i])) return 0;
+    const int64_t *r = (const int64_t *)rows->buf;
+    for (Py_ssize_t i = 0; i < rows->shape[0]; i++)
+        if (r[i] < 0 || r[i] >= x->shape[0]) return 0;
+    return 1;
+}
+
+/* logit_stats(x, rows, norm, top) -> bool: x float32 [*, V]; rows int64 [R]; norm float64 [R] = each row's
+   log-sum-exp (NaN where its max is not finite); top int64 [R, k], k <= QM_MAX_TOP: its k largest entries' ids. */
+PyObject *qm_py_logit_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "logit_stats takes 4 arguments");
+        return NULL;
+    }
+    Buffers bs = {.n = 0};
+    Py_buffer *x, *r, *nm, *top;
+    if (!(x = take(&bs, args[0], 0)) || !(r = take(&bs, args[1], 0)) || !(nm = take(&bs, args[2], 1)) ||
+        !(top = take(&bs, args[3], 1))) {
+        release(&bs);
+        return NULL;
+    }
+    Py_buffer *outs[2] = {nm, top};
+    if (!logit_rows_ok(x, r, outs, 2) || nm->ndim != 1 || !is_f64(nm) || top->ndim != 2 || !qm_is_i64(top) ||
+        top->shape[1] > QM_MAX_TOP || top->shape[1] > x->shape[1]) {
+        release(&bs);
+        Py_RETURN_FALSE;
+    }
+    WITH_POOL(qm_logit_stats((const float *)x->buf, row_stride(x), (const int64_t *)r->buf, (int)r->shape[0],
+                             (int)x->shape[1], (int)top->shape[1], (double *)nm->buf, (int64_t *)top->buf));
+    release(&bs);
+    Py_RETURN_TRUE;
+}
+
+/* sample_logits(x, rows, inv_t, u, token) -> bool: x float32 [*, V]; rows int64 [R]; inv_t float32 [R], each
+   row's 1 / temperature; u float64 [R] uniform in [0, 1); token int64 [R] = the token drawn, or -1 where the row's
+   max is not finite or masked. */
+PyObject *qm_py_sample_logits(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "sample_logits takes 5 arguments");
+        return NULL;
+    }
+    Buffers bs = {.n = 0};
+    Py_buffer *x, *r, *it, *u, *tok;
+    if (!(x = take(&bs, args[0], 0)) || !(r = take(&bs, args[1], 0)) || !(it = take(&bs, args[2], 0)) ||
+        !(u = take(&bs, args[3], 0)) || !(tok = take(&bs, args[4], 1))) {
+        release(&bs);
+        return NULL;
+    }
+    Py_buffer *outs[3] = {it, u, tok};
+    if (!logit_rows_ok(x, r, outs, 3) || !qm_is_f32(it) || !is_f64(u) || !qm_is_i64(tok)) {
+        release(&bs);
+        Py_RETURN_FALSE;
+    }
+    WITH_POOL(qm_sample_logits((const float *)x->buf, row_stride(x), (const int64_t *)r->buf, (int)r->shape[0],
+                               (int)x->shape[1], (const float *)it->buf, (const double *)u->buf, (int64_t *)tok->buf));
     release(&bs);
     Py_RETURN_TRUE;
 }

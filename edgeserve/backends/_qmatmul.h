@@ -1,5 +1,6 @@
 /* What the C files of the _qmatmul extension share: its thread pool (_pool.h), the instruction set
-   chosen at run time, and the entry points of the fused CPU ops (_cpu_ops.c) listed in the module. */
+   chosen at run time, and the entry points of the fused CPU ops (_cpu_ops.c) and of the sampler's ops (_logits.c) listed in
+   the module. */
 #ifndef EDGESERVE_QMATMUL_H
 #define EDGESERVE_QMATMUL_H
 
@@ -90,10 +91,26 @@ void qm_gelu_tanh_mul(const float *x, Py_ssize_t x_row, float *out, Py_ssize_t o
    and Gemma 3's q and k norms, the same bits as qm_rms_norm on the heads as rows. */
 void qm_head_rms_norm(float *x, Py_ssize_t x_row, const float *w, int rows, int heads, int hd, float eps);
 
+/* The most top entries logit_stats keeps a row; logits at or below -QM_LOGIT_LIMIT are masked (a grammar's). */
+#define QM_MAX_TOP 64
+#define QM_LOGIT_LIMIT 1e30f
+
+/* Rows rows[0..R) of logits x [*, V] (rows `row` floats apart): norm[i] = each row's log-sum-exp (NaN where its
+   max is not finite) and top[i * k ..] its k largest entries' ids, largest first, of equal ones the lower id. */
+void qm_logit_stats(const float *x, Py_ssize_t row, const int64_t *rows, int R, int V, int k, double *norm,
+                    int64_t *top);
+
+/* token[i] = a token drawn from softmax(x[rows[i]] * inv_t[i]) by the uniform u[i], or -1 where the row's max is
+   not finite or is masked. */
+void qm_sample_logits(const float *x, Py_ssize_t row, const int64_t *rows, int R, int V, const float *inv_t,
+                      const double *u, int64_t *token);
+
 PyObject *qm_py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *qm_py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *qm_py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *qm_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *qm_py_logit_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *qm_py_sample_logits(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *qm_py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *qm_py_decoder_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *qm_py_decoder_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

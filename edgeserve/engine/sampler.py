@@ -1,13 +1,17 @@
-"""Turning each sampling row's logits into a token: greedy rows at once, the rest row by row."""
+"""Turning each sampling row's logits into a token: greedy rows at once, rows drawn at a temperature alone by the
+compiled op (`_logits.c`) where it is built, the rest row by row."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from edgeserve.backends import cpu_kernels
 from edgeserve.engine.sequence import Sequence
 
 # Far beyond any real logit, and still finite once divided by the smallest sampled temperature.
 LOGIT_LIMIT = 1e30
+# The most top entries the compiled op keeps a row (QM_MAX_TOP).
+MAX_COMPILED_TOP = 64
 
 
 def apply_penalties(logits: np.ndarray, seq: Sequence) -> np.ndarray:
@@ -142,12 +146,39 @@ def needs_processing(seq: Sequence) -> bool:
     return not seq.params.greedy or penalizes(seq)
 
 
+def draws_plainly(seq: Sequence) -> bool:
+    """Whether seq samples at a temperature alone: no bias or penalty, no top-k, top-p or min-p cut."""
+    p = seq.params
+    return not p.greedy and not penalizes(seq) and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0
+
+
+def _compiled(logits: np.ndarray) -> bool:
+    """Whether the compiled ops take these logits (float32 rows of unit stride)."""
+    return cpu_kernels.ops is not None and logits.dtype == np.float32 and logits.ndim == 2 and logits.strides[1] == 4
+
+
+def _plain_draws(logits: np.ndarray, seqs: list[Sequence]) -> dict[int, int]:
+    """The tokens of the rows that sample at a temperature alone, by row, drawn at once by the compiled op with
+    each row's own generator's next uniform (as `_draw` takes it); a row it leaves (masked or not finite) is absent."""
+    rows = [i for i, seq in enumerate(seqs) if draws_plainly(seq)] if _compiled(logits) else []
+    if not rows:
+        return {}
+    inv_t = np.array([1.0 / seqs[i].params.temperature for i in rows], np.float32)
+    u = np.array([seqs[i].rng.random() for i in rows])
+    tokens = np.empty(len(rows), np.int64)
+    cpu_kernels.ops.sample_logits(logits, np.array(rows, np.int64), inv_t, u, tokens)
+    return {i: token for i, token in zip(rows, tokens.tolist()) if token >= 0}
+
+
 def sample(logits: np.ndarray, seqs: list[Sequence]) -> tuple[list[int], dict[int, str]]:
     """Tokens for each row of logits [S, vocab] (row i belongs to seqs[i]), and the rows that failed, with why."""
     tokens = np.argmax(logits, axis=-1).tolist()
     failed: dict[int, str] = {}
+    drawn = _plain_draws(logits, seqs)
     for i, seq in enumerate(seqs):
-        if needs_processing(seq):
+        if i in drawn:
+            tokens[i] = drawn[i]
+        elif needs_processing(seq):
             try:
                 tokens[i] = sample_row(logits[i], seq)
             except Exception as exc:  # one request's sampling must not fail the batch
@@ -159,21 +190,30 @@ def token_logprobs(logits: np.ndarray, tokens: list[int], tops: list[int]) -> li
     """Each row's chosen token's log-probability and its `tops[i]` most likely alternatives, rows [R, vocab] at once.
 
     Row by row, each row's normalizer and top few cost a step of many such rows more than the model's head: here
-    one pass over the batch each (exponentials in float32, vectorized, summed in float64), and only the chosen
-    and top tokens' logprobs are formed.
+    the compiled op's one pass a row, or NumPy's one pass over the batch each (exponentials in float32,
+    vectorized, summed in float64); only the chosen and top tokens' logprobs are formed.
     """
     x = logits.astype(np.float32, copy=False)
+    k = min(max(tops), x.shape[1])
+    normalizer, ids = _row_stats(x, k)
+    chosen = (x[np.arange(len(tokens)), tokens] - normalizer).tolist()
+    top_ids_ = ids.tolist()
+    top_lps = (np.take_along_axis(x, ids, axis=1) - normalizer[:, None]).tolist()
+    return [{"token": token, "logprob": lp, "top": list(zip(ids_[:top], lps[:top]))}
+            for token, lp, top, ids_, lps in zip(tokens, chosen, tops, top_ids_, top_lps)]
+
+
+def _row_stats(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's log-sum-exp (float64) and its k largest entries' ids [R, k], largest first."""
+    if _compiled(x) and k <= MAX_COMPILED_TOP:
+        normalizer, ids = np.empty(len(x)), np.empty((len(x), k), np.int64)
+        rows = np.arange(len(x), dtype=np.int64)
+        if cpu_kernels.ops.logit_stats(x, rows, normalizer, ids) and np.isfinite(normalizer).all():
+            return normalizer, ids
     peak = x.max(axis=1, keepdims=True)
     normalizer = peak[:, 0].astype(np.float64) + np.log(np.exp(x - peak).sum(axis=1, dtype=np.float64))
-    chosen = (x[np.arange(len(tokens)), tokens] - normalizer).tolist()
-    k = min(max(tops), x.shape[1])
-    top_ids: list[list[int]] = [[] for _ in tokens]
-    top_lps: list[list[float]] = [[] for _ in tokens]
-    if k:  # the top k of each row by partition, then only those sorted
-        ids = np.argpartition(x, -k, axis=1)[:, -k:]
-        values = np.take_along_axis(x, ids, axis=1)
-        order = np.argsort(-values, axis=1, kind="stable")
-        top_ids = np.take_along_axis(ids, order, axis=1).tolist()
-        top_lps = (np.take_along_axis(values, order, axis=1) - normalizer[:, None]).tolist()
-    return [{"token": token, "logprob": lp, "top": list(zip(ids_[:top], lps[:top]))}
-            for token, lp, top, ids_, lps in zip(tokens, chosen, tops, top_ids, top_lps)]
+    if not k:
+        return normalizer, np.empty((len(x), 0), np.int64)
+    ids = np.argpartition(x, -k, axis=1)[:, -k:]  # the top k of each row by partition, then only those sorted
+    order = np.argsort(-np.take_along_axis(x, ids, axis=1), axis=1, kind="stable")
+    return normalizer, np.take_along_axis(ids, order, axis=1)
