@@ -192,6 +192,25 @@ def test_a_non_streamed_body_is_built_and_encoded_off_the_event_loop(server: Ser
     assert answers[0].status_code == 200 and answers[0].json()["usage"]["completion_tokens"] == 2
 
 
+def test_a_body_is_encoded_one_answer_a_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    # an encoder call holds the GIL throughout: 16 answers with 20 logprobs a token in one call held every stream
+    # ~50 ms; one answer a call lets the engine's thread in between
+    answer = {"index": 0, "text": "é\n\"", "logprobs": {"top_logprobs": [{" a": -0.5, "b": -1e-05}] * 64}}
+    body = {"id": "x", "choices": [{**answer, "index": i} for i in range(16)], "usage": {"total_tokens": 3},
+            "score": float("nan")}
+    sizes: list[int] = []
+    to_json = json_body.pydantic_core.to_json
+
+    def counted(value: object, **kwargs: object) -> bytes:
+        sizes.append(len(value["choices"]) if isinstance(value, dict) and "choices" in value else 0)
+        return to_json(value, **kwargs)
+
+    monkeypatch.setattr(json_body.pydantic_core, "to_json", counted)
+    encoded = json_body._encode(lambda: body)
+    assert json.loads(encoded) == {**body, "score": None}
+    assert len(sizes) > 16 and max(sizes) == 0  # no call was given the answers together
+
+
 def test_a_request_s_schema_becomes_compact_text_in_its_own_order() -> None:
     # made on the event loop, holding the GIL: by pydantic-core's serializer (json.dumps of eight 15,000-property
     # schemas stalled every stream ~20x its gap); compact, and keys in the order the schema gave them

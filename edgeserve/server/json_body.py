@@ -62,7 +62,17 @@ class JsonBodyRoute(APIRoute):
 
 
 def _encode(build: Callable[[], dict]) -> bytes:
-    return json.dumps(build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    """build()'s body as JSON, each element of a top-level list (the answers) by a call of its own: an encoder
+    holds the GIL for a whole call, and 16 answers with 20 logprobs a token are a megabyte, which held every stream
+    for tens of milliseconds. pydantic-core's encoder writes the same text as json's, in a quarter of its time; a
+    NaN or infinity, which no JSON may hold, becomes null."""
+    def part(value: Any) -> bytes:
+        return pydantic_core.to_json(value, inf_nan_mode="null")
+
+    def field(value: Any) -> bytes:
+        return b"[" + b",".join(map(part, value)) + b"]" if isinstance(value, list) else part(value)
+
+    return b"{" + b",".join(part(key) + b":" + field(value) for key, value in build().items()) + b"}"
 
 
 async def json_answer(build: Callable[[], dict]) -> Response:

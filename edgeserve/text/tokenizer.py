@@ -291,6 +291,7 @@ class Tokenizer:
         texts = sorted({t for i in codec.special_ids if (t := codec.id_to_token(i)) and len(t) > 1}, key=len,
                        reverse=True)
         self._special_text = re.compile("|".join(map(re.escape, texts))) if texts else None
+        self._token_texts: dict[int, str] = {}
 
     def defuse(self, text: str) -> str:
         """text with each special token it spells broken by a word joiner after its first character: it then encodes
@@ -314,6 +315,14 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._codec.decode(list(ids), skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as decode([token_id]) gives it, remembered: logprobs name 21 tokens a token, mostly the
+        same few hundred."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id])
+        return text
 
     def is_special(self, token_id: int) -> bool:
         """True for control tokens (BOS, EOS, <|im_start|>, ...), which decode to markup."""

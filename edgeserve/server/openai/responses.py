@@ -54,7 +54,7 @@ def chat_logprobs(entries: list[dict], tokenizer: Tokenizer) -> dict:
     """The engine's per-token logprobs in the chat shape: {"content": [{token, logprob, bytes, top_logprobs}]}."""
 
     def item(token_id: int, logprob: float) -> dict:
-        text = tokenizer.decode([token_id])
+        text = tokenizer.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
@@ -68,14 +68,14 @@ def completion_logprobs(entries: list[dict], tokenizer: Tokenizer, offset: int) 
     """
     tokens, offsets = [], []
     for e in entries:
-        text = tokenizer.decode([e["token"]])
+        text = tokenizer.token_text(e["token"])
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
     return {
         "tokens": tokens,
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e["top"]} for e in entries],
+        "top_logprobs": [{tokenizer.token_text(t): lp for t, lp in e["top"]} for e in entries],
         "text_offset": offsets,
     }
 
