@@ -298,7 +298,8 @@ def test_draws_pick_the_token_a_float64_cumulative_sum_picks(isa, threads):
     u = np.random.default_rng(12).random(len(rows))
     u[1] = 0.0
     token = np.full(len(rows), -7, np.int64)
-    assert ext.sample_logits(x, rows, inv_t, u, token)
+    no_cut = np.zeros(len(rows), np.int32), np.ones(len(rows), np.float32), np.zeros(len(rows), np.float32)
+    assert ext.sample_logits(x, rows, inv_t, *no_cut, u, token)
     for i, r in enumerate(rows[:6]):
         z = (x[r].astype(np.float64) - np.nanmax(x[r])) * inv_t[i]
         w = np.where(np.isnan(z), 0.0, np.exp(z))
@@ -320,6 +321,37 @@ def test_logit_stats_give_the_log_sum_exp_and_the_top_ids(isa, threads):
         else:
             assert norm[i] == pytest.approx(finite.max() + np.log(np.exp(finite - finite.max()).sum()), abs=1e-6)
         assert top[i].tolist() == np.argsort(-z, kind="stable")[:20].tolist()  # of equal logits the lower id
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1},  # the chat's defaults
+    {"temperature": 1.0, "top_k": 40},
+    {"temperature": 0.8, "min_p": 0.05},
+    {"temperature": 1.2, "top_k": 50, "top_p": 0.8, "min_p": 0.01},
+    {"temperature": 0.7, "top_p": 0.95, "frequency_penalty": 0.5, "presence_penalty": 0.3, "logit_bias": {5: 3.0}},
+    {"temperature": 0.5, "top_p": 0.5},
+])
+def test_cut_draws_give_the_numpy_path_s_token_for_the_same_seed(isa, params):
+    rng = np.random.default_rng(21)
+    x = (rng.standard_normal((6, 49152)) * rng.uniform(1, 8, (6, 1))).astype(np.float32)
+    x[0, 30:] = MASKED_LOGIT  # a grammar's row, penalties and bias included: no masked token comes back
+    x[1] *= 0.05  # flat: top-p needs more of the row than the compiled op looks at
+    history = list(range(100, 164)) + [5, 5, 7]
+    compiled, left = 0, 0
+    for seed in range(25):
+        seqs = [Sequence(str(i), history, SamplingParams(seed=100 * seed + i, **params)) for i in range(6)]
+        drawn = sampler._compiled_draws(x, seqs)
+        for i in range(6):
+            if i not in drawn:
+                left += 1
+                continue
+            compiled += 1
+            numpy_seq = Sequence(str(i), history, SamplingParams(seed=100 * seed + i, **params))
+            assert drawn[i] == sampler.sample_row(x[i].copy(), numpy_seq), (seed, i)
+            assert i != 0 or drawn[i] < 30
+    assert compiled >= 100
+    if "top_p" in params and "top_k" not in params:
+        assert left >= 25  # the flat row
 
 
 def test_sampling_at_a_temperature_follows_the_distribution():

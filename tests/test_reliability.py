@@ -163,14 +163,20 @@ def test_tiny_temperature_is_greedy(tiny_model):
 
 
 def test_a_row_that_fails_sampling_or_output_fails_alone(tiny_model, monkeypatch):
-    real_row = sampler.sample_row
+    real_row, real_draws = sampler.sample_row, sampler._compiled_draws
 
     def row(logits: np.ndarray, seq: Sequence) -> int:
         if seq.request_id == "bad-sample":
             raise ValueError("probabilities contain NaN")
         return real_row(logits, seq)
 
+    def draws(logits: np.ndarray, seqs: list[Sequence]) -> dict[int, int]:  # the batch's draw fails with it
+        if any(seq.request_id == "bad-sample" for seq in seqs):
+            raise ValueError("probabilities contain NaN")
+        return real_draws(logits, seqs)
+
     monkeypatch.setattr(sampler, "sample_row", row)
+    monkeypatch.setattr(sampler, "_compiled_draws", draws)
     engine = make_engine(tiny_model)
     real_process = engine.output.process
 

@@ -1113,7 +1113,7 @@ void qm_silu_mul(const float *x, Py_ssize_t x_row, float *out, Py_ssize_t out_ro
 
 
 typedef struct {
-    Py_buffer b[6];
+    Py_buffer b[8];
     int n;
 } Buffers;
 
@@ -1340,6 +1340,13 @@ PyObject *qm_py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 static int is_f64(const Py_buffer *b) { return b->itemsize == 8 && b->format && !strcmp(b->format, "d"); }
 
+static int is_i32(const Py_buffer *b) {
+    if (b->itemsize != 4 || !b->format) return 0;
+    const char *f = b->format;
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    return !strcmp(f, "i") || !strcmp(f, "l");
+}
+
 /* Whether x is float32 [*, V] with unit column stride and rows a 1-D int64 array of its rows; each of the `n`
    outputs a C-contiguous array whose first dimension has as many entries as rows. */
 static int logit_rows_ok(const Py_buffer *x, const Py_buffer *rows, Py_buffer *const *outs, int n) {
@@ -1381,29 +1388,31 @@ PyObject *qm_py_logit_stats(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_TRUE;
 }
 
-/* sample_logits(x, rows, inv_t, u, token) -> bool: x float32 [*, V]; rows int64 [R]; inv_t float32 [R], each
-   row's 1 / temperature; u float64 [R] uniform in [0, 1); token int64 [R] = the token drawn, or -1 where the row's
-   max is not finite or masked. */
+/* sample_logits(x, rows, inv_t, top_k, top_p, min_p, u, token) -> bool: x float32 [*, V]; rows int64 [R]; each
+   row's 1 / temperature (float32 [R]), cuts (int32, float32, float32 [R]) and uniform in [0, 1) (float64 [R]);
+   token int64 [R] = the token drawn, or -1 where the row is left to the caller (see qm_sample_logits). */
 PyObject *qm_py_sample_logits(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "sample_logits takes 5 arguments");
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "sample_logits takes 8 arguments");
         return NULL;
     }
     Buffers bs = {.n = 0};
-    Py_buffer *x, *r, *it, *u, *tok;
-    if (!(x = take(&bs, args[0], 0)) || !(r = take(&bs, args[1], 0)) || !(it = take(&bs, args[2], 0)) ||
-        !(u = take(&bs, args[3], 0)) || !(tok = take(&bs, args[4], 1))) {
-        release(&bs);
-        return NULL;
-    }
-    Py_buffer *outs[3] = {it, u, tok};
-    if (!logit_rows_ok(x, r, outs, 3) || !qm_is_f32(it) || !is_f64(u) || !qm_is_i64(tok)) {
+    Py_buffer *b[8];
+    for (int i = 0; i < 8; i++)
+        if (!(b[i] = take(&bs, args[i], i == 7))) {
+            release(&bs);
+            return NULL;
+        }
+    if (!logit_rows_ok(b[0], b[1], b + 2, 6) || !qm_is_f32(b[2]) || !is_i32(b[3]) || !qm_is_f32(b[4]) ||
+        !qm_is_f32(b[5]) || !is_f64(b[6]) || !qm_is_i64(b[7])) {
         release(&bs);
         Py_RETURN_FALSE;
     }
-    WITH_POOL(qm_sample_logits((const float *)x->buf, row_stride(x), (const int64_t *)r->buf, (int)r->shape[0],
-                               (int)x->shape[1], (const float *)it->buf, (const double *)u->buf, (int64_t *)tok->buf));
+    WITH_POOL(qm_sample_logits((const float *)b[0]->buf, row_stride(b[0]), (const int64_t *)b[1]->buf,
+                               (int)b[1]->shape[0], (int)b[0]->shape[1], (const float *)b[2]->buf,
+                               (const int32_t *)b[3]->buf, (const float *)b[4]->buf, (const float *)b[5]->buf,
+                               (const double *)b[6]->buf, (int64_t *)b[7]->buf));
     release(&bs);
     Py_RETURN_TRUE;
 }

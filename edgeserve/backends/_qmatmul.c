@@ -1607,7 +1607,7 @@ static PyMethodDef methods[] = {
     {"logit_stats", (PyCFunction)(void (*)(void))qm_py_logit_stats, METH_FASTCALL,
      "logit_stats(x, rows, norm, top) -> whether it ran: rows' log-sum-exp and top ids"},
     {"sample_logits", (PyCFunction)(void (*)(void))qm_py_sample_logits, METH_FASTCALL,
-     "sample_logits(x, rows, inv_t, u, token) -> whether it ran: a token drawn from each row at its temperature"},
+     "sample_logits(x, rows, inv_t, top_k, top_p, min_p, u, token) -> whether it ran: a token drawn from each row"},
     {"decoder_plan", (PyCFunction)(void (*)(void))qm_py_decoder_plan, METH_FASTCALL,
      "decoder_plan(hidden, n_heads, n_kv_heads, head_dim, intermediate, eps, layers, ropes) -> plan"},
     {"decoder_run", (PyCFunction)(void (*)(void))qm_py_decoder_run, METH_FASTCALL,

@@ -91,8 +91,9 @@ void qm_gelu_tanh_mul(const float *x, Py_ssize_t x_row, float *out, Py_ssize_t o
    and Gemma 3's q and k norms, the same bits as qm_rms_norm on the heads as rows. */
 void qm_head_rms_norm(float *x, Py_ssize_t x_row, const float *w, int rows, int heads, int hd, float eps);
 
-/* The most top entries logit_stats keeps a row; logits at or below -QM_LOGIT_LIMIT are masked (a grammar's). */
-#define QM_MAX_TOP 64
+/* The most top entries logit_stats keeps a row, and sample_logits' top-k and top-p look at; logits at or below
+   -QM_LOGIT_LIMIT are masked (a grammar's). */
+#define QM_MAX_TOP 256
 #define QM_LOGIT_LIMIT 1e30f
 
 /* Rows rows[0..R) of logits x [*, V] (rows `row` floats apart): norm[i] = each row's log-sum-exp (NaN where its
@@ -100,10 +101,11 @@ void qm_head_rms_norm(float *x, Py_ssize_t x_row, const float *w, int rows, int 
 void qm_logit_stats(const float *x, Py_ssize_t row, const int64_t *rows, int R, int V, int k, double *norm,
                     int64_t *top);
 
-/* token[i] = a token drawn from softmax(x[rows[i]] * inv_t[i]) by the uniform u[i], or -1 where the row's max is
-   not finite or is masked. */
+/* token[i] = a token drawn from softmax(x[rows[i]] * inv_t[i]), cut to its top_k[i] (0: all), its weights at
+   least min_p[i] of the largest and its likeliest reaching top_p[i], by the uniform u[i]; -1 where the row's max is
+   not finite or is masked, or its cuts need more than QM_MAX_TOP of its likeliest. */
 void qm_sample_logits(const float *x, Py_ssize_t row, const int64_t *rows, int R, int V, const float *inv_t,
-                      const double *u, int64_t *token);
+                      const int32_t *top_k, const float *top_p, const float *min_p, const double *u, int64_t *token);
 
 PyObject *qm_py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *qm_py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

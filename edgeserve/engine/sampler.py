@@ -1,5 +1,5 @@
-"""Turning each sampling row's logits into a token: greedy rows at once, rows drawn at a temperature alone by the
-compiled op (`_logits.c`) where it is built, the rest row by row."""
+"""Turning each sampling row's logits into a token: greedy rows at once, sampled rows by the compiled op
+(`_logits.c`) where it is built, the rest (and the rows it leaves) row by row."""
 
 from __future__ import annotations
 
@@ -146,27 +146,35 @@ def needs_processing(seq: Sequence) -> bool:
     return not seq.params.greedy or penalizes(seq)
 
 
-def draws_plainly(seq: Sequence) -> bool:
-    """Whether seq samples at a temperature alone: no bias or penalty, no top-k, top-p or min-p cut."""
-    p = seq.params
-    return not p.greedy and not penalizes(seq) and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0
-
-
 def _compiled(logits: np.ndarray) -> bool:
     """Whether the compiled ops take these logits (float32 rows of unit stride)."""
     return cpu_kernels.ops is not None and logits.dtype == np.float32 and logits.ndim == 2 and logits.strides[1] == 4
 
 
-def _plain_draws(logits: np.ndarray, seqs: list[Sequence]) -> dict[int, int]:
-    """The tokens of the rows that sample at a temperature alone, by row, drawn at once by the compiled op with
-    each row's own generator's next uniform (as `_draw` takes it); a row it leaves (masked or not finite) is absent."""
-    rows = [i for i, seq in enumerate(seqs) if draws_plainly(seq)] if _compiled(logits) else []
+def _compiled_draws(logits: np.ndarray, seqs: list[Sequence]) -> dict[int, int]:
+    """The tokens of the sampled (not greedy) rows, by row, drawn at once by the compiled op with each row's own
+    generator's next uniform (as `_draw` takes it); a row it leaves (masked, not finite, a cut past its reach) is
+    absent. Rows with a bias or penalty are drawn from a float32 copy that has them."""
+    rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy] if _compiled(logits) else []
     if not rows:
         return {}
-    inv_t = np.array([1.0 / seqs[i].params.temperature for i in rows], np.float32)
+    x, at = logits, np.array(rows, np.int64)
+    if any(penalizes(seqs[i]) for i in rows):
+        x, at = logits[rows], np.arange(len(rows), dtype=np.int64)
+        for row, i in zip(x, rows):
+            if penalizes(seqs[i]):
+                masked = row <= -LOGIT_LIMIT
+                with np.errstate(all="ignore"):  # an inf or NaN made here leaves the row to the NumPy path
+                    apply_penalties(row, seqs[i])
+                row[masked] = -LOGIT_LIMIT  # no penalty lifts a grammar's mask
+    params = [seqs[i].params for i in rows]
+    inv_t = np.array([1.0 / p.temperature for p in params], np.float32)
+    top_k = np.array([p.top_k for p in params], np.int32)
+    top_p = np.array([p.top_p for p in params], np.float32)
+    min_p = np.array([p.min_p for p in params], np.float32)
     u = np.array([seqs[i].rng.random() for i in rows])
     tokens = np.empty(len(rows), np.int64)
-    cpu_kernels.ops.sample_logits(logits, np.array(rows, np.int64), inv_t, u, tokens)
+    cpu_kernels.ops.sample_logits(x, at, inv_t, top_k, top_p, min_p, u, tokens)
     return {i: token for i, token in zip(rows, tokens.tolist()) if token >= 0}
 
 
@@ -174,7 +182,10 @@ def sample(logits: np.ndarray, seqs: list[Sequence]) -> tuple[list[int], dict[in
     """Tokens for each row of logits [S, vocab] (row i belongs to seqs[i]), and the rows that failed, with why."""
     tokens = np.argmax(logits, axis=-1).tolist()
     failed: dict[int, str] = {}
-    drawn = _plain_draws(logits, seqs)
+    try:
+        drawn = _compiled_draws(logits, seqs)
+    except Exception:  # drawn one by one instead, where a row that fails fails alone
+        drawn = {}
     for i, seq in enumerate(seqs):
         if i in drawn:
             tokens[i] = drawn[i]
