@@ -1069,40 +1069,46 @@ avx512_tile_sb(const Task *t, int p, int r, const int RB, const int HB, const in
         acc[i] = _mm512_setzero_ps();
         mins[i] = _mm512_setzero_si512();
     }
-    /* groups of 32 give each row two chains of vpdpbusd (low and high nibbles; five cycles' latency, and two
-       ports): a 512-row Q4_K matmul 8% faster; Q6_K's groups of 16 gain nothing from it */
-    const int NA = HB == 2 ? 1 : 2;
-#pragma GCC unroll 2
-    for (int g = 0; g < gpb; g++) {
+    /* two groups at a time, each row one chain of vpdpbusd for each (five cycles' latency, two ports: a row
+       needs two chains); a group's int32 dot is then converted and scaled as it is, where a chain for a group's
+       low nibbles and one for its high ones had to be added first, a third float op per group and row beside
+       eight vpdpbusd on the same two ports (same bits; Q6_K's groups of 16 get a second chain too): Q6_K
+       matmuls 5-12% faster at 1-3 rows and 9-19% at 64-512, Q4_K's 4-9% at 3-16 rows */
+#pragma GCC unroll 1
+    for (int g = 0; g < gpb; g += 2) {
         __m512i dot[4][2];
         for (int i = 0; i < RB; i++) dot[i][0] = dot[i][1] = _mm512_setzero_si512();
-        const __m512i hw = HB && !PRE ? _mm512_loadu_si512(hp + (size_t)g * PANEL) : _mm512_setzero_si512();
+        __m512i hw[2];
+        for (int h = 0; h < 2; h++)
+            hw[h] = HB && !PRE ? _mm512_loadu_si512(hp + (size_t)(g + h) * PANEL) : _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int j = 0; j < wpg; j++) {
-            __m512i lo, hi;
-            if (PRE) {
-                lo = u->w[2 * (g * wpg + j)];
-                hi = u->w[2 * (g * wpg + j) + 1];
-            } else {
-                const uint32_t *wj = wp + (size_t)(g * wpg + j) * PANEL;
-                PREFETCH(wj);
-                avx512_nibbles(_mm512_loadu_si512(wj), hw, j, HB, &lo, &hi);
-            }
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const int word = (g + h) * wpg + j;
+                __m512i lo, hi;
+                if (PRE) {
+                    lo = u->w[2 * word];
+                    hi = u->w[2 * word + 1];
+                } else {
+                    const uint32_t *wj = wp + (size_t)word * PANEL;
+                    PREFETCH(wj);
+                    avx512_nibbles(_mm512_loadu_si512(wj), hw[h], j, HB, &lo, &hi);
+                }
 #pragma GCC unroll 4
-            for (int i = 0; i < RB; i++) {
-                const int8_t *xr = x + (size_t)i * K + g * G + 8 * j;
-                dot[i][0] = _mm512_dpbusd_epi32(dot[i][0], lo, bcast32_512(xr));
-                dot[i][NA - 1] = _mm512_dpbusd_epi32(dot[i][NA - 1], hi, bcast32_512(xr + 4));
+                for (int i = 0; i < RB; i++) {
+                    const int8_t *xr = x + (size_t)i * K + (g + h) * G + 8 * j;
+                    dot[i][h] = _mm512_dpbusd_epi32(dot[i][h], lo, bcast32_512(xr));
+                    dot[i][h] = _mm512_dpbusd_epi32(dot[i][h], hi, bcast32_512(xr + 4));
+                }
             }
         }
         for (int i = 0; i < RB; i++) {
-            const __m512i d = NA == 2 ? _mm512_add_epi32(dot[i][0], dot[i][1]) : dot[i][0];
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), u->sc[g], acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][0]), u->sc[g], acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][1]), u->sc[g + 1], acc[i]);
+            mins[i] = _mm512_dpwssd_epi32(
+                mins[i], u->m[g / 2], bcast32_512((const int8_t *)(t->xi16 + (size_t)(r + i) * ng + sbk * gpb + g)));
         }
-        if (g % 2)
-            for (int i = 0; i < RB; i++)
-                mins[i] = _mm512_dpwssd_epi32(
-                    mins[i], u->m[g / 2], bcast32_512((const int8_t *)(t->xi16 + (size_t)(r + i) * ng + sbk * gpb + g - 1)));
     }
     const size_t dofs = ((size_t)p * nsb + sbk) * PANEL;
     const __m512 dd = load_scales512(t->scales, dofs, t->f16), dm = load_scales512(t->biases, dofs, t->f16);
