@@ -11,7 +11,7 @@ from edgeserve.engine.sequence import Sequence
 # Far beyond any real logit, and still finite once divided by the smallest sampled temperature.
 LOGIT_LIMIT = 1e30
 # The most top entries the compiled op keeps a row (QM_MAX_TOP).
-MAX_COMPILED_TOP = 64
+MAX_COMPILED_TOP = 256
 
 
 def apply_penalties(logits: np.ndarray, seq: Sequence) -> np.ndarray:
@@ -158,9 +158,9 @@ def _compiled_draws(logits: np.ndarray, seqs: list[Sequence]) -> dict[int, int]:
     rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy] if _compiled(logits) else []
     if not rows:
         return {}
-    x, at = logits, np.array(rows, np.int64)
+    x, x_rows = logits, np.array(rows, np.int64)
     if any(penalizes(seqs[i]) for i in rows):
-        x, at = logits[rows], np.arange(len(rows), dtype=np.int64)
+        x, x_rows = logits[rows], np.arange(len(rows), dtype=np.int64)
         for row, i in zip(x, rows):
             if penalizes(seqs[i]):
                 masked = row <= -LOGIT_LIMIT
@@ -174,7 +174,7 @@ def _compiled_draws(logits: np.ndarray, seqs: list[Sequence]) -> dict[int, int]:
     min_p = np.array([p.min_p for p in params], np.float32)
     u = np.array([seqs[i].rng.random() for i in rows])
     tokens = np.empty(len(rows), np.int64)
-    cpu_kernels.ops.sample_logits(x, at, inv_t, top_k, top_p, min_p, u, tokens)
+    cpu_kernels.ops.sample_logits(x, x_rows, inv_t, top_k, top_p, min_p, u, tokens)
     return {i: token for i, token in zip(rows, tokens.tolist()) if token >= 0}
 
 
@@ -208,10 +208,9 @@ def token_logprobs(logits: np.ndarray, tokens: list[int], tops: list[int]) -> li
     k = min(max(tops), x.shape[1])
     normalizer, ids = _row_stats(x, k)
     chosen = (x[np.arange(len(tokens)), tokens] - normalizer).tolist()
-    top_ids_ = ids.tolist()
     top_lps = (np.take_along_axis(x, ids, axis=1) - normalizer[:, None]).tolist()
-    return [{"token": token, "logprob": lp, "top": list(zip(ids_[:top], lps[:top]))}
-            for token, lp, top, ids_, lps in zip(tokens, chosen, tops, top_ids_, top_lps)]
+    return [{"token": token, "logprob": lp, "top": list(zip(row_ids[:top], lps[:top]))}
+            for token, lp, top, row_ids, lps in zip(tokens, chosen, tops, ids.tolist(), top_lps)]
 
 
 def _row_stats(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
