@@ -265,7 +265,7 @@ def guarded_url(tiny_model) -> Iterator[str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(aengine, "tiny"), log_level="warning", http=IdleClosingH11,
-                                           timeout_keep_alive=0.5, limit_concurrency=48))
+                                           timeout_keep_alive=0.25, limit_concurrency=48))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
