@@ -1,6 +1,8 @@
-"""The scripts of bench/ as modules for tests, and tiny GGUF files from bench/make_gguf.py."""
+"""The scripts of bench/ as modules for tests, tiny GGUF files from bench/make_gguf.py, and copies of a GGUF file
+with a metadata value changed."""
 
 import importlib.util
+import struct
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -29,3 +31,14 @@ def write_tiny(path: Path, file_type: str, donor: Path, seed: int = 3, shape: ma
     """A TINY-shaped (or `shape`d) file of `file_type` with the donor GGUF's tokenizer."""
     make_gguf.write_model(path, shape, file_type, donor, seed=seed)
     return path
+
+
+def patch_metadata(src: Path, dst: Path, key: str, value: int) -> None:
+    """A copy of src whose integer metadata `key` holds value (in the width the file stores it with)."""
+    data = bytearray(src.read_bytes())
+    name = key.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    kind = struct.unpack_from("<I", data, at)[0]
+    fmt = {4: "<I", 5: "<i", 10: "<Q", 11: "<q"}[kind]
+    struct.pack_into(fmt, data, at + 4, value)
+    dst.write_bytes(bytes(data))

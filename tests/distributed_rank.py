@@ -1,5 +1,5 @@
 """One rank of a group that `mlx.launch` started, for tests/test_distributed.py: rank 0 runs greedy requests on
-the default model and writes each one's tokens as JSON; the other ranks serve its steps.
+the cases' model and writes each one's tokens as JSON; the other ranks serve its steps.
 
     mlx.launch -n 2 -- python tests/distributed_rank.py pipeline CASES.json OUT.json
 """
@@ -12,18 +12,17 @@ import sys
 from edgeserve.cli.options import join_group
 from edgeserve.config import EngineConfig
 from edgeserve.engine.llm_engine import LLMEngine
-from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.models.loader import load_model
 from edgeserve.sampling_params import SamplingParams
 
 
 def main(mode: str, cases_path: str, out_path: str) -> None:
-    """CASES.json: {"config": EngineConfig fields, "requests": [[id, prompt ids, max tokens], ...],
-    "arrivals": {step: [id, ...]}} (requests not named in arrivals arrive at step 0)."""
+    """CASES.json: {"model": a model file, "config": EngineConfig fields, "requests": [[id, prompt ids, max tokens],
+    ...], "arrivals": {step: [id, ...]}} (requests not named in arrivals arrive at step 0)."""
     cases = json.loads(open(cases_path).read())
     config = EngineConfig(backend="mlx", distributed=None if mode == "none" else mode, **cases.get("config", {}))
-    join_group(DEFAULT_MODEL, config)
-    engine = LLMEngine(load_model(DEFAULT_MODEL), config)
+    join_group(cases["model"], config)
+    engine = LLMEngine(load_model(cases["model"]), config)
     requests = {rid: (ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
                 for rid, ids, n in cases["requests"]}
     later = {int(step): rids for step, rids in cases.get("arrivals", {}).items()}

@@ -1,7 +1,7 @@
 """A model split across processes on mx.distributed: how layers, heads and memory split; a pipeline's stages
 chained by hand give the whole model's logits; and, under `mlx.launch` over loopback, 2 and 3 ranks give one
-rank's greedy tokens through a batch with prefix-cache hits and preemptions, and a rank killed mid-answer fails
-the answer and /health on rank 0 within seconds."""
+rank's greedy tokens through a batch with prefix-cache hits and preemptions (on the default model's first layers),
+and a rank killed mid-answer fails the answer and /health on rank 0 within seconds."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from click.testing import CliRunner
 from edgeserve.distributed.plan import kv_args, plan, split_range
 from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import DEFAULT_MODEL
+from edgeserve.models.loader import LoadedModel, load_model
+from bench_scripts import patch_metadata
 from serve_process import ServeProcess, Stream, free_port
 
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed: distributed serving not tested")
@@ -104,10 +106,21 @@ def test_info_says_how_the_layers_and_memory_split(model_path) -> None:
     assert "at most 3 ranks" in result.output
 
 
-# under mlx.launch: the default model, ranks over loopback -----------------------------------------------------
+# under mlx.launch: ranks over loopback ------------------------------------------------------------------------
 
 
-def _cases(mode: str, ranks: int, loaded_model) -> dict:
+@pytest.fixture(scope="module")
+def first_layers(model_path, tmp_path_factory) -> LoadedModel:
+    """The default model cut to its first 6 layers (the loader reads the blocks llama.block_count names): its own
+    weights, quantization, tied head and tokenizer, so that greedy tokens follow the context as the whole model's
+    do (a random model's greedy tokens repeat one token), with a fifth of the layers to run; on MLX's CPU a step of
+    all 30 took a second or more."""
+    path = tmp_path_factory.mktemp("first-layers") / "first-layers.gguf"
+    patch_metadata(model_path, path, "llama.block_count", 6)
+    return load_model(str(path))
+
+
+def _cases(mode: str, ranks: int, loaded_model: LoadedModel) -> dict:
     """Ends of the fixture prompts in one batch on a pool of NUM_BLOCKS blocks (on every rank, whatever its
     share of a block): a0-a3 start in one block each and outgrow it, so that some are preempted; c1 repeats c0's
     prompt a step later, and finds its first block in the prefix cache."""
@@ -117,12 +130,13 @@ def _cases(mode: str, ranks: int, loaded_model) -> dict:
     requests = [[f"a{i}", ids[-14:], 5] for i, ids in enumerate(PROMPTS)]
     requests += [[f"c{i}", PROMPTS[1][-20:], 3] for i in range(2)]
     # the prefix store's RAM tier keeps what the pool evicts: block reads and writes through the group
-    return {"config": {"kv_memory": NUM_BLOCKS * BLOCK_SIZE * per_token, "block_size": BLOCK_SIZE,
+    return {"model": str(loaded_model.source),
+            "config": {"kv_memory": NUM_BLOCKS * BLOCK_SIZE * per_token, "block_size": BLOCK_SIZE,
                        "prefix_cache_ram": "16MiB"},
             "requests": requests, "arrivals": {"2": ["c1"]}}
 
 
-def _launch(mode: str, ranks: int, loaded_model, tmp_path: Path) -> dict:
+def _launch(mode: str, ranks: int, loaded_model: LoadedModel, tmp_path: Path) -> dict:
     cases, out = tmp_path / f"cases-{mode}-{ranks}.json", tmp_path / f"out-{mode}-{ranks}.json"
     cases.write_text(json.dumps(_cases(mode, ranks, loaded_model)))
     command = [sys.executable, str(RANK_SCRIPT), mode if ranks > 1 else "none", str(cases), str(out)]
@@ -136,15 +150,15 @@ def _launch(mode: str, ranks: int, loaded_model, tmp_path: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_rank(loaded_model, tmp_path_factory) -> dict:
-    return _launch("none", 1, loaded_model, tmp_path_factory.mktemp("one-rank"))
+def one_rank(first_layers, tmp_path_factory) -> dict:
+    return _launch("none", 1, first_layers, tmp_path_factory.mktemp("one-rank"))
 
 
 @pytest.mark.parametrize("mode,ranks", [("pipeline", 2), ("pipeline", 3), ("tensor", 2)])
-def test_ranks_give_one_ranks_greedy_tokens(mode, ranks, one_rank, loaded_model, tmp_path) -> None:
+def test_ranks_give_one_ranks_greedy_tokens(mode, ranks, one_rank, first_layers, tmp_path) -> None:
     # the cases do what they are for
     assert one_rank["preemptions"] > 0 and one_rank["prefix_hit_tokens"] > 0 and one_rank["prefix_ram_hit_tokens"] > 0
-    split = _launch(mode, ranks, loaded_model, tmp_path)
+    split = _launch(mode, ranks, first_layers, tmp_path)
     assert split == one_rank  # every request's tokens, and the same preemptions and prefix hits
 
 

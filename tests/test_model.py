@@ -15,7 +15,7 @@ from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models.loader import load_folder
 from edgeserve.quant.gguf_file import read_gguf
 from edgeserve.sampling_params import SamplingParams
-from bench_scripts import write_tiny
+from bench_scripts import patch_metadata, write_tiny
 from model_folder import write_model_folder
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -107,17 +107,6 @@ def _patch_tensor_type(src: Path, dst: Path, tensor: str, new_type: int) -> None
     dst.write_bytes(bytes(data))
 
 
-def _patch_metadata(src: Path, dst: Path, key: str, value: int) -> None:
-    """A copy of src whose integer metadata `key` holds value (in the width the file stores it with)."""
-    data = bytearray(src.read_bytes())
-    name = key.encode()
-    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
-    kind = struct.unpack_from("<I", data, at)[0]
-    fmt = {4: "<I", 5: "<i", 10: "<Q", 11: "<q"}[kind]
-    struct.pack_into(fmt, data, at + 4, value)
-    dst.write_bytes(bytes(data))
-
-
 def _nan_norm(src: Path, dst: Path) -> None:
     data = bytearray(src.read_bytes())
     norm = next(t for t in gguf.GGUFReader(src).tensors if t.name == "output_norm.weight")
@@ -141,7 +130,7 @@ def test_damaged_metadata_is_refused_before_anything_is_allocated(model_path, tm
 
     key, value, message = DAMAGED[damage]
     damaged = tmp_path / "damaged.gguf"
-    _patch_metadata(model_path, damaged, key, value)
+    patch_metadata(model_path, damaged, key, value)
     with pytest.raises(ModelLoadError, match="damaged") as refused:
         load_model(str(damaged))
     assert message in str(refused.value)
@@ -168,7 +157,7 @@ def _bad_models(model_path: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
     w.write_tensors_to_file()
     w.close()
     _patch_tensor_type(model_path, qtype, "blk.0.attn_q.weight", int(gguf.GGMLQuantizationType.I32))
-    _patch_metadata(model_path, tmp / "heads.gguf", "llama.attention.head_count", 0)
+    patch_metadata(model_path, tmp / "heads.gguf", "llama.attention.head_count", 0)
     return {
         "heads": (tmp / "heads.gguf", "num_attention_heads is 0"),
         "truncated": (truncated, "truncated (tensor"),
