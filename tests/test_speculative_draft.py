@@ -226,23 +226,26 @@ def fixture_requests(loaded_model) -> dict:
     return {f"case{i}": (c["prompt_ids"], GREEDY) for i, c in enumerate(cases)}
 
 
-def test_a_draft_equal_to_the_target_accepts_every_guess(loaded_model):
-    requests = fixture_requests(loaded_model)
+@pytest.fixture(scope="module")
+def off_answers(loaded_model) -> dict:
+    """Each fixture prompt's greedy tokens with speculation off, run alone: what drafting must give."""
     off_engine = make_engine(loaded_model, "off")
-    off = {rid: run(off_engine, {rid: r})[rid] for rid, r in requests.items()}
+    return {rid: run(off_engine, {rid: r})[rid] for rid, r in fixture_requests(loaded_model).items()}
+
+
+def test_a_draft_equal_to_the_target_accepts_every_guess(loaded_model, off_answers):
+    requests = fixture_requests(loaded_model)
     engine = draft_engine(loaded_model, loaded_model)
-    assert {rid: run_drafting(engine, {rid: r})[rid] for rid, r in requests.items()} == off
+    assert {rid: run_drafting(engine, {rid: r})[rid] for rid, r in requests.items()} == off_answers
     st = engine.stats()
     assert st.draft_tokens > 100 and st.accepted_draft_tokens == st.draft_tokens
 
 
-def test_greedy_with_a_weaker_draft_equals_off_alone_and_in_16_streams(loaded_model):
+def test_greedy_with_a_weaker_draft_equals_off_alone_and_in_16_streams(loaded_model, off_answers):
     requests = fixture_requests(loaded_model)
-    off_engine = make_engine(loaded_model, "off")
-    off = {rid: run(off_engine, {rid: r})[rid] for rid, r in requests.items()}
     draft = first_layers(loaded_model, 12)
     alone = draft_engine(loaded_model, draft)
-    assert {rid: run_drafting(alone, {rid: r})[rid] for rid, r in requests.items()} == off
+    assert {rid: run_drafting(alone, {rid: r})[rid] for rid, r in requests.items()} == off_answers
     st = alone.stats()
     assert 0 < st.accepted_draft_tokens < st.draft_tokens
     # 16 streams: the fixture prompts again and again, as separate requests drafting in one batch
@@ -250,7 +253,7 @@ def test_greedy_with_a_weaker_draft_equals_off_alone_and_in_16_streams(loaded_mo
     many = dict(list(many.items())[:16])
     batched = draft_engine(loaded_model, draft)
     got = run_drafting(batched, many)
-    assert got == {rid: off[rid.rsplit("-", 1)[0]] for rid in many}
+    assert got == {rid: off_answers[rid.rsplit("-", 1)[0]] for rid in many}
     assert batched.stats().draft_checks > 16
 
 
