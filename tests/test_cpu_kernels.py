@@ -330,6 +330,7 @@ def test_logit_stats_give_the_log_sum_exp_and_the_top_ids(isa, threads):
     {"temperature": 1.2, "top_k": 50, "top_p": 0.8, "min_p": 0.01},
     {"temperature": 0.7, "top_p": 0.95, "frequency_penalty": 0.5, "presence_penalty": 0.3, "logit_bias": {5: 3.0}},
     {"temperature": 0.5, "top_p": 0.5},
+    {"temperature": 1.0, "top_p": 5e-324},  # 0 in float32: still the likeliest token, as NumPy's path keeps it
 ])
 def test_cut_draws_give_the_numpy_path_s_token_for_the_same_seed(isa, params):
     rng = np.random.default_rng(21)
@@ -350,7 +351,7 @@ def test_cut_draws_give_the_numpy_path_s_token_for_the_same_seed(isa, params):
             assert drawn[i] == sampler.sample_row(x[i].copy(), numpy_seq), (seed, i)
             assert i != 0 or drawn[i] < 30
     assert compiled >= 100
-    if "top_p" in params and "top_k" not in params:
+    if 0.5 <= params.get("top_p", 1.0) < 1.0 and "top_k" not in params:
         assert left >= 25  # the flat row
 
 

@@ -256,11 +256,11 @@ static int64_t draw_top_p(const float *vals, const int64_t *ids, int n, Weights 
     int64_t order[QM_MAX_TOP];
     double cum = 0.0;
     int kept = 0;
-    while (kept < n && cum < target) {
+    do { /* the likeliest at least, whatever top_p (a tiny one is 0 in float32) */
         wts[kept] = weight(vals[kept], w);
         order[kept] = ids[kept];
         cum += wts[kept++];
-    }
+    } while (kept < n && cum < target);
     if (cum < target) return -1;
     for (int a = 1; a < kept; a++)
         for (int b = a; b > 0 && order[b] < order[b - 1]; b--) {
