@@ -234,7 +234,7 @@ class Server:
         threads_args = ["--threads", str(threads)] if threads else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "edgeserve.cli", "serve", "-m", model, "--backend", "numpy", "--kv-memory",
-             kv_memory, "--port", str(self.port), *threads_args],
+             kv_memory, "--prefix-cache-disk", "0", "--port", str(self.port), *threads_args],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.process = psutil.Process(self.proc.pid)
         while True:

@@ -19,6 +19,9 @@ GREEDY_BELOW = 1e-5  # temperatures under this sample as greedy: dividing by the
 # gets a few (OpenAI allows 4), of a sensible length.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
+# A schema of more values than this takes a millisecond or more to write as text: it waits for a gap between the
+# engine's steps (engine/step_gate.py).
+LARGE_SCHEMA_VALUES = 2000
 
 
 def generator_seed(seed: int | None) -> int | None:
@@ -158,9 +161,38 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if isinstance(self.json_schema, dict):  # as text once: the engine asks for `constraint` every step
-            self.json_schema = schema_text(self.json_schema)
         self.validate()
+
+    def write_schema(self) -> None:
+        """Turn a JSON Schema given as a dict into its text, once (the engine asks for `constraint` every step).
+
+        Done at the first `constraint`, which for a server's request is on the grammar thread: a schema of
+        thousands of properties takes milliseconds, holding the GIL, which the event loop need not spend.
+        """
+        if isinstance(self.json_schema, dict):
+            self.json_schema = schema_text(self.json_schema)
+
+    @property
+    def large_schema(self) -> bool:
+        """Whether the schema, given as a dict, holds more than LARGE_SCHEMA_VALUES values (its text a millisecond
+        or more to write)."""
+        if not isinstance(self.json_schema, dict):
+            return False
+        todo: list[Any] = [self.json_schema]
+        seen = 0
+        while todo and seen <= LARGE_SCHEMA_VALUES:
+            value = todo.pop()
+            seen += 1
+            if isinstance(value, dict):
+                todo.extend(value.values())
+            elif isinstance(value, list):
+                todo.extend(value)
+        return seen > LARGE_SCHEMA_VALUES
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the output follows a grammar (a JSON Schema, a regex or a Lark grammar)."""
+        return self.json_schema is not None or self.regex is not None or self.grammar is not None
 
     @property
     def greedy(self) -> bool:
@@ -205,6 +237,7 @@ class SamplingParams:
         asks for its reasoning before its answer gets them so), and the grammar cache keys on this text.
         """
         if self.json_schema is not None:
+            self.write_schema()
             return "json_schema", self.json_schema
         if self.regex is not None:
             return "regex", self.regex

@@ -5,10 +5,12 @@ Real HTTP over loopback, with httpx and the official client, against servers of 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -17,7 +19,8 @@ import pytest
 from edgeserve.config import EngineConfig
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.llm_engine import LLMEngine
-from edgeserve.sampling_params import SamplingParams
+from edgeserve.engine.step_gate import STEP_GATE
+from edgeserve.sampling_params import LARGE_SCHEMA_VALUES, InvalidParamsError, SamplingParams
 from edgeserve.server import json_body
 from edgeserve.server.app import DEFAULT_MAX_BODY_SIZE, create_app
 from edgeserve.server.served_model import MAX_CHARS_PER_TOKEN
@@ -211,13 +214,90 @@ def test_a_body_is_encoded_one_answer_a_call(monkeypatch: pytest.MonkeyPatch) ->
     assert len(sizes) > 16 and max(sizes) == 0  # no call was given the answers together
 
 
+def _big_schema(properties: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(properties, 0, -1)}}
+
+
 def test_a_request_s_schema_becomes_compact_text_in_its_own_order() -> None:
-    # made on the event loop, holding the GIL: by pydantic-core's serializer (json.dumps of eight 15,000-property
-    # schemas stalled every stream ~20x its gap); compact, and keys in the order the schema gave them
-    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(15_000, 0, -1)}}
-    text = SamplingParams(json_schema=schema).json_schema
-    assert text.startswith('{"type":"object","properties":{"p15000":{"type":"integer"},"p14999":')
-    assert json.loads(text) == schema
+    # by pydantic-core's serializer (json.dumps of eight 15,000-property schemas stalled every stream ~20x its
+    # gap); compact, keys in the order the schema gave them, and only when first asked for (on the grammar thread)
+    schema = _big_schema(15_000)
+    params = SamplingParams(json_schema=schema)
+    assert params.json_schema is schema and params.constrained and params.large_schema
+    kind, text = params.constraint
+    assert kind == "json_schema" and text.startswith('{"type":"object","properties":{"p15000":{"type":"integer"},')
+    assert json.loads(text) == schema and params.json_schema == text
+    assert not SamplingParams(json_schema=_big_schema(LARGE_SCHEMA_VALUES // 3)).large_schema
+
+
+@contextmanager
+def _a_step_running() -> Iterator[None]:
+    """An engine step in progress, as far as the step gate knows, until the block ends."""
+    entered, done = threading.Event(), threading.Event()
+
+    def step() -> None:
+        with STEP_GATE.step():
+            entered.set()
+            done.wait(10)
+        STEP_GATE.rest()
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    assert entered.wait(5)
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(5)
+
+
+def _seconds_with_a_step_running(work: Callable[[], object], step_seconds: float) -> float:
+    """How long work took, started while a step runs that ends after step_seconds."""
+    ended: list[float] = []
+    worker = threading.Thread(target=lambda: (work(), ended.append(time.monotonic())))
+    started = time.monotonic()
+    with _a_step_running():
+        worker.start()
+        time.sleep(step_seconds)
+    worker.join(30)
+    return ended[0] - started
+
+
+def test_a_body_of_thousands_of_objects_is_parsed_between_steps(server: ServerThread) -> None:
+    # a parse of milliseconds holding the GIL, beside a step, held up each of the step's returns from C
+    def send(body: bytes) -> Callable[[], object]:
+        return lambda: statuses.append(http.post(server.url + "/tokenize", content=body,
+                                                 headers={"content-type": "application/json"}).status_code)
+
+    statuses: list[int] = []
+    big = json.dumps({"content": "hi", "ignored": [{}] * json_body.PARSE_IN_PLACE_BYTES}).encode()
+    assert _seconds_with_a_step_running(send(big), 0.6) >= 0.6
+    small = b'{"content": "hi"}' + b" " * json_body.PARSE_IN_PLACE_BYTES  # on the parsing thread too, but fast
+    started = time.monotonic()
+    with _a_step_running():
+        send(small)()
+        assert time.monotonic() - started < 0.5
+    assert statuses == [200, 200]
+
+
+def test_a_large_schema_is_made_text_between_steps(engine: AsyncEngine) -> None:
+    def compile_on_a_loop(params: SamplingParams) -> Callable[[], object]:
+        def run() -> None:
+            try:
+                asyncio.run(engine.compile_grammar(params))
+            except InvalidParamsError as exc:
+                errors.append(exc.param)
+        return run
+
+    errors: list[str | None] = []
+    large = SamplingParams(json_schema=_big_schema(15_000))  # over the grammar size limit: refused once written
+    assert _seconds_with_a_step_running(compile_on_a_loop(large), 0.6) >= 0.6
+    assert errors == ["json_schema"] and isinstance(large.json_schema, str)
+    small = SamplingParams(json_schema=_big_schema(3))
+    started = time.monotonic()
+    with _a_step_running():
+        compile_on_a_loop(small)()
+        assert time.monotonic() - started < 0.5 and isinstance(small.json_schema, str)
 
 
 # 6: bad input that used to reach the engine as a 500 ---------------------------------------------

@@ -14,6 +14,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ import numpy as np
 from edgeserve.engine.llm_engine import EngineInfo, EngineStats, LLMEngine
 from edgeserve.engine.output import RequestOutput
 from edgeserve.engine.prompts import Prompts
+from edgeserve.engine.step_gate import STEP_GATE
 from edgeserve.errors import EdgeserveError, GroupLostError
 from edgeserve.sampling_params import SamplingParams
 from edgeserve.text.tokenizer import Tokenizer
@@ -84,10 +86,23 @@ class AsyncEngine:
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Check params against the vocabulary and compile their grammar; InvalidParamsError where either fails."""
-        if params.constraint is None:  # nothing to compile: no thread needed
+        if not params.constrained:  # nothing to compile: no thread needed
             self.prompts.compile_grammar(params)
         else:  # on a thread of their own: a flood of big grammars queues there, not before every chat's rendering
-            await asyncio.get_running_loop().run_in_executor(self._compiler, self.prompts.compile_grammar, params)
+            await asyncio.get_running_loop().run_in_executor(self._compiler, self._compile_grammar, params)
+
+    @staticmethod
+    def between_steps() -> AbstractContextManager[None]:
+        """Held through a long piece of work that holds the GIL (parsing a large body): it runs between two steps of
+        every engine of this process, not beside one (engine/step_gate.py)."""
+        return STEP_GATE.bulk()
+
+    def _compile_grammar(self, params: SamplingParams) -> None:
+        """On the grammar thread: a large schema made text between the engine's steps, then the grammar compiled."""
+        if params.large_schema:
+            with self.between_steps():
+                params.write_schema()
+        self.prompts.compile_grammar(params)
 
     # state --------------------------------------------------------------------
 
@@ -165,6 +180,8 @@ class AsyncEngine:
             self._error = exc
             self._fail_all(EngineDeadError(self.error or repr(exc)))
             return
+        finally:
+            STEP_GATE.rest()
         self._engine.close()  # stopped: what its pool computed goes to the prefix store's disk tier
 
     def _fail_all(self, exc: Exception) -> None:
@@ -181,21 +198,23 @@ class AsyncEngine:
         while not self._stop.is_set():
             self._drain_inbox()
             if not self._engine.has_unfinished():
+                STEP_GATE.rest()
                 self._stats = self._engine.stats()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            try:
-                outputs = self._engine.step()
-            except GroupLostError:  # a split model lost a rank: no step can run again, so the engine dies
-                raise
-            except Exception as exc:  # a broken step must not kill the server: fail the running requests
-                for rid in self._engine.request_ids():
-                    self._engine.abort(rid)
-                    self._deliver(EdgeserveError(f"engine step failed: {exc}"), rid)
-                outputs = []
-            for out in outputs:
-                self._deliver(out, out.request_id)
+            with STEP_GATE.step():
+                try:
+                    outputs = self._engine.step()
+                except GroupLostError:  # a split model lost a rank: no step can run again, so the engine dies
+                    raise
+                except Exception as exc:  # a broken step must not kill the server: fail the running requests
+                    for rid in self._engine.request_ids():
+                        self._engine.abort(rid)
+                        self._deliver(EdgeserveError(f"engine step failed: {exc}"), rid)
+                    outputs = []
+                for out in outputs:
+                    self._deliver(out, out.request_id)
             self._stats = self._engine.stats()
             steps += 1
             if steps == self._fault_after:

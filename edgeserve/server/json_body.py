@@ -15,9 +15,23 @@ from fastapi import Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
+from edgeserve.engine.async_engine import AsyncEngine
+
 # A body this small parses in well under a millisecond: in place, cheaper than handing it to the parsing thread.
 PARSE_IN_PLACE_BYTES = 64 * 1024
+# A body with this many containers takes a millisecond or more to parse (counted as its opening brackets, strings
+# included: a guess that errs towards the gate).
+BULK_CONTAINERS = 2000
 _parser = ThreadPoolExecutor(1, thread_name_prefix="edgeserve-json")
+
+
+def _parse_between_steps(body: bytes) -> Any:
+    """body's JSON; between two of the engines' steps where it holds thousands of objects and arrays (a parse of
+    milliseconds holding the GIL: strings, however long, parse fast)."""
+    if body.count(b"{") + body.count(b"[") < BULK_CONTAINERS:
+        return _parse(body)
+    with AsyncEngine.between_steps():
+        return _parse(body)
 
 
 def _parse(body: bytes) -> Any:
@@ -35,8 +49,9 @@ class JsonBodyRequest(Request):
 
     Parsing holds the GIL, so the thread makes no parse cheaper. But on the event loop, the bodies of requests that
     arrive together are parsed back to back in one turn of the loop, and every stream's next token waits for all
-    of them (eight bodies of a 15,000-property schema, ~80 ms); on one thread, one at a time, the loop and the
-    engine wait for one parse at most.
+    of them (eight bodies of a 15,000-property schema, ~80 ms); on one thread, one at a time, and a body of
+    thousands of objects between two of the engine's steps (engine/step_gate.py), the loop and the engine wait
+    for one parse at most.
     """
 
     async def json(self) -> Any:
@@ -45,7 +60,7 @@ class JsonBodyRequest(Request):
             if len(body) < PARSE_IN_PLACE_BYTES:
                 self._parsed = json.loads(body)
             else:
-                self._parsed = await asyncio.get_running_loop().run_in_executor(_parser, _parse, body)
+                self._parsed = await asyncio.get_running_loop().run_in_executor(_parser, _parse_between_steps, body)
         return self._parsed
 
 

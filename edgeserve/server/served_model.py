@@ -93,7 +93,7 @@ class ServedModel:
     def after_reasoning(params: SamplingParams, in_reasoning: bool) -> SamplingParams:
         """params, their grammar (JSON or Lark) binding only once the reasoning section the prompt opened ends (a
         grammar with a trigger waits for it anyway)."""
-        constraint = params.constraint
-        waits = params.grammar_trigger is not None
-        grammar = after_reasoning(*constraint) if in_reasoning and constraint is not None and not waits else None
+        if not in_reasoning or not params.constrained or params.grammar_trigger is not None:
+            return params
+        grammar = after_reasoning(*params.constraint)  # type: ignore[misc]
         return params if grammar is None else dataclasses.replace(params, json_schema=None, grammar=grammar)
