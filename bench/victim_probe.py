@@ -20,11 +20,13 @@ tokens during the probe is compared with its normal gap (the median before any p
 from __future__ import annotations
 
 import json
+import multiprocessing
 import socket
 import statistics
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 import click
 import httpx
@@ -37,24 +39,31 @@ VICTIM = {"messages": [{"role": "user", "content": "Tell me a long story about a
 
 
 class Victim:
-    """A greedy stream on a thread of its own, restarted whenever it ends; the arrival time of every chunk."""
+    """A greedy stream in a process of its own, restarted whenever it ends; the arrival time of every chunk.
+
+    Its own process: in the probes' process, their client's work (Python, holding that process's GIL) delayed the
+    victim's reads, and the probe measured itself.
+    """
 
     def __init__(self, url: str):
         self.url = url
         self.times: list[float] = []
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self._arrivals, sender = multiprocessing.Pipe(duplex=False)
+        self._process = multiprocessing.get_context("spawn").Process(target=_stream, args=(url, sender), daemon=True)
+        self._process.start()
+        self.thread = threading.Thread(target=self._collect, daemon=True)
         self.thread.start()
 
-    def _run(self) -> None:
-        with httpx.Client(timeout=600) as http:
-            while not self.stopped.is_set():
-                with http.stream("POST", self.url + "/v1/chat/completions", json=VICTIM) as answer:
-                    for line in answer.iter_lines():
-                        if line.startswith("data: {"):
-                            self.times.append(time.monotonic())
-                        if self.stopped.is_set():
-                            return
+    def _collect(self) -> None:
+        try:
+            while True:
+                self.times.append(self._arrivals.recv())
+        except EOFError:
+            pass
+
+    def stop(self) -> None:
+        self._process.terminate()
+        self._process.join()
 
     def worst_gap(self, since: float, until: float) -> float:
         inside = [t for t in self.times if since <= t <= until]
@@ -69,6 +78,16 @@ class Victim:
 # One client for every probe, made before any: making an httpx client takes ~60 ms of CPU (its TLS context), which
 # on a small machine the victim's engine would pay for, and which no server can save anyone from.
 CLIENT = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=16))
+
+
+def _stream(url: str, arrivals: Connection) -> None:
+    """The victim: stream greedy answers for ever, sending the (system-wide monotonic) time each chunk arrives."""
+    with httpx.Client(timeout=600) as http:
+        while True:
+            with http.stream("POST", url + "/v1/chat/completions", json=VICTIM) as answer:
+                for line in answer.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.send(time.monotonic())
 
 
 def _post(url: str, path: str, body: dict | bytes) -> str:
@@ -181,7 +200,7 @@ def main(model: str, only: tuple[str, ...], as_json: bool) -> None:
             rows.append({"probe": name, "outcome": outcome, "seconds": round(ended - started, 2),
                          "worst_gap_ms": round(worst * 1000, 1), "ratio": round(worst / normal, 1)})
     finally:
-        victim.stopped.set()
+        victim.stop()
         server.stop()
     click.echo(f"victim's normal gap between tokens: {normal * 1000:.1f} ms")
     width = max(len(r["outcome"]) for r in rows)

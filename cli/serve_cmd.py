@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import socket
@@ -152,6 +153,7 @@ def serve(models: tuple[str, ...], config: EngineConfig, models_dir: Path | None
         raise click.UsageError("--distributed serves one model, loaded for the server's life (no second model, "
                                "--models-dir, --allow-pull or --keep-alive)")
     join_group(sources[0], config)  # ranks but 0 serve rank 0's steps here, and never listen
+    config = dataclasses.replace(config, populate_kv=True)  # a long life: its pool's pages mapped in at start
     sock = _listen(host, port)
     engine = build_engine(sources[0], config)
     # the server's modules (FastAPI, uvicorn) load here, so --help and a taken port answer at once

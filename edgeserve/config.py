@@ -28,6 +28,8 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences in one batch
     max_num_batched_tokens: int = 512  # tokens in one step (decodes plus prefill chunks)
     enable_prefix_caching: bool = True
+    # map the whole KV pool's memory in at start, in the background (the server's: a long life, many new blocks)
+    populate_kv: bool = False
     static_batching: bool = False  # fixed padded batches, only to measure continuous batching against
     max_model_len: int | None = None  # context limit; None: the model's own
     threads: int | None = None  # CPU threads for the NumPy backend's kernels; None: every core

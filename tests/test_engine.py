@@ -5,6 +5,7 @@ Most tests run on the tiny random model; batch invariance is checked on the real
 
 import asyncio
 import contextlib
+import sys
 import threading
 import time
 
@@ -295,6 +296,38 @@ def test_engine_config(tiny_model):
     engine = LLMEngine(tiny_model, EngineConfig(backend="numpy", kv_memory="1MiB"), block_size=8)
     assert engine.config.block_size == engine.pool_size.block_size == 8
     assert engine.config.kv_memory == "1MiB"
+
+
+def _resident_bytes(array: np.ndarray) -> int:
+    """The bytes in RAM now of the memory mappings over array (/proc/self/smaps: the kernel splits an array's
+    mapping where NumPy asks for huge pages)."""
+    low, high = array.ctypes.data, array.ctypes.data + array.nbytes
+    resident, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start < high and low < end
+            elif inside and head == "Rss:":
+                resident += int(line.split()[1]) * 1024
+    return resident
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+@pytest.mark.parametrize("populate", [True, False])
+def test_a_server_s_pool_is_mapped_in_at_start_its_contents_kept(tiny_model, prompts, populate):
+    # 64 MiB arrays: over glibc's largest mmap threshold (32 MiB), so each is a fresh mapping, never reused memory
+    engine = make_engine(tiny_model, kv_memory="256MiB", populate_kv=populate)
+    arrays = engine.runner.kv.k + engine.runner.kv.v
+    deadline = time.monotonic() + 20
+    while populate and min(map(_resident_bytes, arrays)) < 0.95 * arrays[0].nbytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    resident = min(map(_resident_bytes, arrays))
+    assert resident >= 0.95 * arrays[0].nbytes if populate else resident < 0.5 * arrays[0].nbytes
+    arrivals = {0: [(f"p{i}", p, GREEDY) for i, p in enumerate(prompts[:2])]}
+    # the pages mapped in, as zeros, change nothing
+    assert run_all(engine, arrivals) == run_all(make_engine(tiny_model), arrivals)
 
 
 def test_async_engine_outlives_a_caller_whose_event_loop_closed(tiny_model, prompts):

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
+
 from edgeserve.backends.base import Array, Backend, StepMeta
+from edgeserve.backends.pages import populate_in_background
 
 
 class KVPool:
@@ -16,6 +21,11 @@ class KVPool:
         shape = (num_blocks, block_size, n_kv_heads, head_dim)
         self.k = [backend.allocate_kv(*shape) for _ in range(num_layers)]
         self.v = [backend.allocate_kv(*shape) for _ in range(num_layers)]
+
+    def populate(self) -> threading.Thread | None:
+        """Map a NumPy pool's memory in now, on a background thread (backends/pages.py), so that no step waits for
+        pages it touches first; the thread, or None where nothing is done (MLX allocates on its own terms)."""
+        return populate_in_background([a for a in self.k + self.v if isinstance(a, np.ndarray)])
 
     def write(self, layer: int, k: Array, v: Array, meta: StepMeta) -> None:
         """Store this step's K/V rows at their slots (backends with immutable arrays return new ones)."""

@@ -157,6 +157,8 @@ class LLMEngine:
                                        activations=config.activations, kv_dtype=config.kv_dtype)
             self.pool_size = size_pool(model.args, config.kv_budget_bytes(), config.block_size, self.backend.kv_dtype)
             self.runner = ModelRunner(model, self.backend, self.pool_size)
+            if config.populate_kv:
+                self.runner.kv.populate()
         self.prefix_store = self._open_prefix_store()
         self.block_manager = BlockManager(self.pool_size.num_blocks, config.block_size, config.enable_prefix_caching,
                                           self.prefix_store)
