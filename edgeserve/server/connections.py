@@ -14,9 +14,10 @@ except ImportError:  # not on Windows: the limits stay as the system sets them
     resource = None
 
 IDLE_TIMEOUT = 5.0  # seconds a connection may stay silent, before its first request as between requests
-# asyncio accepts up to `backlog` waiting connections in one turn of the event loop: with uvicorn's 2048, a burst of
-# 1,100 connects held every stream's next token ~130 ms; 128 holds it ~15 ms (and is the listen queue's length)
-ACCEPT_BACKLOG = 128
+# asyncio accepts up to `backlog` waiting connections in one turn of the event loop (~110 us each), and it is the
+# listen queue's length too: with uvicorn's 2048, a burst of 1,100 connects held every stream's next token ~130 ms;
+# with 128, turns of ~15 ms back to back (11x its gap); with 64, 7x. A burst beyond the queue retries a second later.
+ACCEPT_BACKLOG = 64
 SPARE_FILES = 64  # open files kept for the model, logs and the engine's own use
 MAX_OPEN_FILES = 65536
 
