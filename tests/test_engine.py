@@ -5,6 +5,8 @@ Most tests run on the tiny random model; batch invariance is checked on the real
 
 import asyncio
 import contextlib
+import ctypes
+import os
 import sys
 import threading
 import time
@@ -299,19 +301,15 @@ def test_engine_config(tiny_model):
 
 
 def _resident_bytes(array: np.ndarray) -> int:
-    """The bytes in RAM now of the memory mappings over array (/proc/self/smaps: the kernel splits an array's
-    mapping where NumPy asks for huge pages)."""
-    low, high = array.ctypes.data, array.ctypes.data + array.nbytes
-    resident, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start < high and low < end
-            elif inside and head == "Rss:":
-                resident += int(line.split()[1]) * 1024
-    return resident
+    """The bytes of array's whole pages that are in RAM now (mincore, page by page)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-array.ctypes.data // page) * page
+    pages = (array.ctypes.data + array.nbytes - start) // page
+    in_core = (ctypes.c_ubyte * pages)()
+    mincore = ctypes.CDLL(None, use_errno=True).mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert mincore(start, pages * page, in_core) == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in in_core) * page
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
