@@ -1132,12 +1132,16 @@ static Py_buffer *take(Buffers *bs, PyObject *o, int writable) {
 
 int qm_is_f32(const Py_buffer *b) { return b->itemsize == 4 && b->format && !strcmp(b->format, "f"); }
 
-int qm_is_i64(const Py_buffer *b) {
-    if (b->itemsize != 8 || !b->format) return 0;
+/* Whether b holds integers of itemsize bytes: its format one of the type codes in `codes`, after an optional
+   native or little-endian byte-order mark. */
+static int int_format(const Py_buffer *b, Py_ssize_t itemsize, const char *codes) {
+    if (b->itemsize != itemsize || !b->format) return 0;
     const char *f = b->format;
     if (*f == '<' || *f == '=' || *f == '@') f++;
-    return (!strcmp(f, "l") || !strcmp(f, "q"));
+    return f[0] && !f[1] && strchr(codes, f[0]);
 }
+
+int qm_is_i64(const Py_buffer *b) { return int_format(b, 8, "lq"); }
 
 static int c_contiguous(const Py_buffer *b) {
     Py_ssize_t step = b->itemsize;
@@ -1340,12 +1344,7 @@ PyObject *qm_py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 static int is_f64(const Py_buffer *b) { return b->itemsize == 8 && b->format && !strcmp(b->format, "d"); }
 
-static int is_i32(const Py_buffer *b) {
-    if (b->itemsize != 4 || !b->format) return 0;
-    const char *f = b->format;
-    if (*f == '<' || *f == '=' || *f == '@') f++;
-    return !strcmp(f, "i") || !strcmp(f, "l");
-}
+static int is_i32(const Py_buffer *b) { return int_format(b, 4, "il"); }
 
 /* Whether x is float32 [*, V] with unit column stride and rows a 1-D int64 array of its rows; each of the `n`
    outputs a C-contiguous array whose first dimension has as many entries as rows. */
