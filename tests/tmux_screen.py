@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import shutil
@@ -15,6 +16,9 @@ EXIT_MARK = "command exited with "
 TIMEOUT = 180.0  # seconds for answers on a slow, shared CPU
 
 
+_SCREENS = itertools.count()
+
+
 class TmuxScreen:
     """`edgeserve ARGS` in a private tmux server; the pane stays after the command exits, to read."""
 
@@ -23,7 +27,9 @@ class TmuxScreen:
             if os.environ.get("CI"):
                 pytest.fail("tmux is missing (apt-get install tmux)")
             pytest.skip("tmux is not installed")
-        self.server = f"edgeserve-test-{os.getpid()}-{width}x{height}"  # whatever tmux the user runs
+        # apart from whatever tmux the user runs, and from the last screen: a server of the same name still shutting
+        # down refused the next one's session
+        self.server = f"edgeserve-test-{os.getpid()}-{next(_SCREENS)}-{width}x{height}"
         command = shlex.join([sys.executable, "-c", "from edgeserve.cli.main import cli; cli()", *args])
         env = {**os.environ, "EDGESERVE_HOME": str(home), "TERM": "xterm-256color", **env}
         subprocess.run(["tmux", "-L", self.server, "-f", os.devnull, "new-session", "-d", "-s", "main",
