@@ -46,13 +46,11 @@ class Victim:
     """
 
     def __init__(self, url: str):
-        self.url = url
         self.times: list[float] = []
         self._arrivals, sender = multiprocessing.Pipe(duplex=False)
         self._process = multiprocessing.get_context("spawn").Process(target=_stream, args=(url, sender), daemon=True)
         self._process.start()
-        self.thread = threading.Thread(target=self._collect, daemon=True)
-        self.thread.start()
+        threading.Thread(target=self._collect, daemon=True).start()
 
     def _collect(self) -> None:
         try:
