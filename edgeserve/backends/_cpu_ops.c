@@ -876,17 +876,23 @@ static int run_attention(AttTask *t, const int64_t *lens, int D) {
     size_t n = 0;
     for (int s = 0; s < D; s++)
         if (lens[s] == 0) memset(t->out + (size_t)s * t->H * t->hd, 0, sizeof(float) * t->H * t->hd);
-    /* KV head first, then rows: a prompt's rows read the same keys, so one head's K/V (256 keys: 128 KiB at
-       head_dim 64) stays in L2 from row to row (a 512-token prefill's attention ran ~5% faster than row first) */
-    for (int kv = 0; kv < t->n_kv; kv++)
-        for (int s = 0, nr = 1; s < D; s += nr) {
-            for (nr = 1; nr < ATT_BLOCK && s + nr < D && same_prompt(t, lens, s + nr - 1, s + nr); nr++) {}
-            const int ns = att_ranges(t, lens[s + nr - 1]);
-            for (int h = 0; h < group; h += t->sub)
-                for (int k = 0; k < ns; k++)
-                    g_items[n++] = (AttBlock){.s = s, .nr = nr, .kv = kv, .h0 = kv * group + h,
-                                              .nh = group - h < t->sub ? group - h : t->sub, .k = k};
-        }
+    /* Prompt by prompt (a decode row is a prompt of its own), then range by range of its keys, then KV head by
+       KV head, then its rows. A prompt's rows read the same keys, so one head's K/V (256 keys: 128 KiB at
+       head_dim 64) stays in L2 from row to row (a 512-token prefill's attention ran ~5% faster than row first).
+       Every KV head of a key is one stretch of the pool, so a thread that takes a range's heads one after the
+       other reads that range's memory whole, and its L2 streamer follows: every row's head 0, then every row's
+       head 1, read 256 bytes a key 2 KiB apart, latency-bound (64 decode rows of 192 keys: 78 -> 57 ms a step). */
+    for (int p0 = 0, p1; p0 < D; p0 = p1) {
+        for (p1 = p0 + 1; p1 < D && same_prompt(t, lens, p1 - 1, p1); p1++) {}
+        for (int k = 0; k < att_ranges(t, lens[p1 - 1]); k++)
+            for (int kv = 0; kv < t->n_kv; kv++)
+                for (int s = p0, nr; s < p1; s += nr) {
+                    nr = p1 - s < ATT_BLOCK ? p1 - s : ATT_BLOCK;
+                    for (int h = 0; h < group && k < att_ranges(t, lens[s + nr - 1]); h += t->sub)
+                        g_items[n++] = (AttBlock){.s = s, .nr = nr, .kv = kv, .h0 = kv * group + h,
+                                                  .nh = group - h < t->sub ? group - h : t->sub, .k = k};
+                }
+    }
     t->items = g_items;
     t->n_items = (int)n;
     t->part = g_part;
