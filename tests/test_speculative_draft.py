@@ -188,6 +188,26 @@ def test_greedy_is_unchanged_and_the_draft_pool_follows(tiny_model):
             assert 0 < st.accepted_draft_tokens < st.draft_tokens
 
 
+def test_mlx_greedy_is_unchanged_by_prompt_lookup_and_a_draft_model(tiny_model, mlx_on_cpu):
+    """The MLX backend checks drafts in its batched step too: six streams at once, greedy, the same tokens with
+    prompt lookup, a draft model and auto as without speculation, guesses both accepted and rejected."""
+    prompts = repetitive_prompts(tiny_model.tokenizer, 6)
+    requests = {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts)}
+
+    def engine(mode: str, draft: LoadedModel | None = None) -> LLMEngine:
+        config = EngineConfig(backend="mlx", speculative=mode, kv_memory="64MiB", max_num_batched_tokens=64)
+        return LLMEngine(tiny_model, config, draft)
+
+    off = run(engine("off"), requests)
+    lookup = engine("ngram")
+    assert run(lookup, requests) == off
+    assert 0 < lookup.stats().accepted_draft_tokens < lookup.stats().draft_tokens
+    for mode in ("draft", "auto"):
+        drafting = engine(mode, nearby(tiny_model, noise=0.5))
+        assert run_drafting(drafting, requests) == off
+        assert 0 < drafting.stats().accepted_draft_tokens < drafting.stats().draft_tokens
+
+
 def test_preemption_aborts_and_a_full_draft_pool_leave_no_blocks_behind(tiny_model):
     prompts = repetitive_prompts(tiny_model.tokenizer, 4)
     requests = {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts)}
