@@ -28,6 +28,7 @@ mx = pytest.importorskip("mlx.core", reason="MLX is not installed: distributed s
 
 from edgeserve.backends.mlx_backend import MLXBackend  # noqa: E402
 from edgeserve.distributed.group import decode, encode  # noqa: E402
+from edgeserve.distributed.runner import MICRO_BATCH_ROWS, micro_batches  # noqa: E402
 from edgeserve.engine.kv_budget import PoolSize, kv_bytes_per_token  # noqa: E402
 from edgeserve.engine.model_runner import ModelRunner  # noqa: E402
 from edgeserve.engine.scheduler import ScheduledSeq  # noqa: E402
@@ -89,6 +90,36 @@ def test_pipeline_stages_chained_give_the_whole_models_logits(tiny_model, mlx_on
     np.testing.assert_allclose(got, want, atol=1e-5)
     # each stage's pool holds its own layer's K/V at the same slots as the whole model's
     np.testing.assert_array_equal(stages[1].read_block_bytes([2])[:, :2], whole.read_block_bytes([2])[:, 2:])
+
+
+def test_a_step_splits_into_micro_batches_of_whole_sequences_that_give_its_tokens(tiny_model, mlx_on_cpu) -> None:
+    """Three decodes and a prefill chunk: two halves of whole sequences, each as the engine would batch it alone,
+    whose logits together are the whole step's; a half that would read a block the other writes, or a step of
+    too few rows, goes whole."""
+    pool = PoolSize(16, BLOCK_SIZE, 0)
+    split, whole = ModelRunner(tiny_model, MLXBackend(), pool), ModelRunner(tiny_model, MLXBackend(), pool)
+    seqs = [Sequence(f"s{i}", [3 + i, 9, 12, 7, 30 + i], SamplingParams(max_tokens=4)) for i in range(3)]
+    seqs.append(Sequence("p", list(range(40, 52)), SamplingParams(max_tokens=4)))
+    for i, seq in enumerate(seqs):
+        seq.block_table = [2 * i + 1]
+    for runner in (split, whole):  # the decodes' prompts in the pool first, all but their last token
+        runner.run([ScheduledSeq(seq, 4) for seq in seqs[:3]])
+    for seq in seqs[:3]:
+        seq.num_computed_tokens = 4
+    scheduled = [ScheduledSeq(seq, 1 if i < 3 else 12) for i, seq in enumerate(seqs)]
+    batch = whole.build_batch(scheduled)
+    parts = micro_batches(batch)
+    assert [len(p.token_ids) for p in parts] == [3, 12] and [p.num_seqs for p in parts] == [3, 1]
+    assert parts[1].query_start.tolist() == [0, 12] and parts[1].logits_indices.tolist() == [11]
+    want = whole.backend.to_numpy(whole.model.forward(batch, whole.kv))
+    got = np.concatenate([split.backend.to_numpy(split.model.forward(part, split.kv)) for part in parts])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    # the prefill's block is one a decode reads: one half would read what the other writes
+    seqs[3].block_table = [seqs[0].block_table[0]]
+    for step in (whole.build_batch(scheduled), whole.build_batch(scheduled[:3])):
+        parts = micro_batches(step)
+        assert len(parts) == 1 and parts[0] is step
+    assert len(step.token_ids) < MICRO_BATCH_ROWS
 
 
 def test_info_says_how_the_layers_and_memory_split(model_path) -> None:

@@ -5,8 +5,10 @@ Each step rank 0 sends every rank the step's batch (token ids, positions, slot m
 copy-on-write copies, or the prefix store's block reads and writes; each rank keeps the K/V of its share of the
 model in a pool of its own, indexed by the same block tables. Pipeline: rank 0 computes the first stage and hands
 the residual stream to rank 1, and so on; the last stage sends back what the step needs (greedy tokens, logits or
-final hidden states) to rank 0, its neighbour in the ring. Tensor: every rank runs the whole step on its heads
-and MLP columns, adding up the partial sums of each layer's o and down projections over the group.
+final hidden states) to rank 0, its neighbour in the ring. A greedy step of several sequences goes as two
+micro-batches, so that rank 0 computes the second's first stage while rank 1 computes the first's second: one
+after the other, each stage waited for the one before. Tensor: every rank runs the whole step on its heads and
+MLP columns, adding up the partial sums of each layer's o and down projections over the group.
 """
 
 from __future__ import annotations
@@ -31,6 +33,33 @@ from edgeserve.models.loader import LoadedModel
 
 BATCH_FIELDS = ("token_ids", "positions", "slot_mapping", "query_start", "context_lens", "block_tables",
                 "logits_indices")
+# The fewest rows a step splits at: two halves cost what the whole does only where a row costs about the same at
+# either size (on MLX's CPU from about 2 rows on; 2 ranks there: 8 decode rows 1.6-2.1 s a step split, 2.2-2.4 s
+# whole, but 4 rows 1.2 s split, 1.0 s whole). Where rows come nearly free (a GPU's small batches), each half would
+# read the weights again.
+MICRO_BATCH_ROWS = 8
+
+
+def micro_batches(batch: Batch) -> list[Batch]:
+    """The step as two batches of whole sequences with about half its rows each, the first's sampling rows first;
+    the step whole where it has one sequence or fewer than MICRO_BATCH_ROWS rows, or where one half reads a block
+    the other writes (the first half's pool writes land before the second half runs: the halves must not depend on
+    each other)."""
+    qs, bs = batch.query_start, batch.block_size
+    if batch.num_seqs < 2 or qs[-1] < MICRO_BATCH_ROWS or np.any(np.diff(batch.logits_indices) <= 0):
+        return [batch]
+    cut = int(np.clip(np.searchsorted(qs, qs[-1] / 2), 1, batch.num_seqs - 1))
+    rows = int(qs[cut])
+    written = [set((batch.slot_mapping[:rows] // bs).tolist()), set((batch.slot_mapping[rows:] // bs).tolist())]
+    used = -(-batch.context_lens // bs)
+    read = [set(batch.block_tables[s, : used[s]].tolist()) for s in range(batch.num_seqs)]
+    if any(written[1] & read[s] for s in range(cut)) or any(written[0] & read[s] for s in range(cut, batch.num_seqs)):
+        return [batch]
+    sampled = int(np.searchsorted(batch.logits_indices, rows))
+    return [Batch(batch.token_ids[:rows], batch.positions[:rows], batch.slot_mapping[:rows], qs[: cut + 1],
+                  batch.context_lens[:cut], batch.block_tables[:cut], batch.logits_indices[:sampled], bs),
+            Batch(batch.token_ids[rows:], batch.positions[rows:], batch.slot_mapping[rows:], qs[cut:] - rows,
+                  batch.context_lens[cut:], batch.block_tables[cut:], batch.logits_indices[sampled:] - rows, bs)]
 
 
 def start_group(model: LoadedModel, config: EngineConfig, group: Group) -> tuple[MLXBackend, PoolSize, ModelRunner]:
@@ -92,25 +121,28 @@ class GroupRunner(ModelRunner):
         return out
 
     def _forward(self, batch: Batch, result: str) -> mx.array:
-        """Run the step on every rank; `result` ("tokens", "logits" or "hidden") of its sampling rows, computed."""
+        """Run the step on every rank; `result` ("tokens", "logits" or "hidden") of its sampling rows, computed.
+        Only greedy tokens go as micro-batches: what the last stage sends back of the first must fit the link's
+        buffers while rank 0 still sends the second (a row's logits would not)."""
         g, be = self.group, self.backend
-        g.broadcast({"op": "forward", "result": result, "block_size": batch.block_size,
-                     **{name: getattr(batch, name) for name in BATCH_FIELDS}})
+        parts = micro_batches(batch) if self.mode == "pipeline" and result == "tokens" else [batch]
+        g.broadcast({"op": "forward", "result": result, "block_size": batch.block_size, "parts": len(parts),
+                     **{f"{i}.{name}": getattr(part, name) for i, part in enumerate(parts) for name in BATCH_FIELDS}})
         with g.guard():
             if self.mode == "tensor":
                 out = _result(be, self.model.forward(batch, self.kv, hidden=result == "hidden"), result)
                 be.evaluate(out)
                 return out
-            be.evaluate(g.send(self.model.forward(batch, self.kv), 1))
-            rows = len(batch.logits_indices)
+            for part in parts:
+                be.evaluate(g.send(self.model.forward(part, self.kv), 1))
             width = {"tokens": (), "logits": (self.whole.vocab_size,), "hidden": (self.whole.hidden_size,)}[result]
-            shape = (rows, *width)
             dtype = mx.int32 if result == "tokens" else mx.float32
-            if rows == 0:  # nothing to sample: the last stage sends nothing
-                return mx.zeros(shape, dtype)
-            out = g.recv(shape, dtype, g.size - 1)
-            mx.eval(out)
-            return out
+            outs = []
+            for part in parts:
+                if len(part.logits_indices):  # a part that samples nothing gets nothing back from the last stage
+                    outs.append(g.recv((len(part.logits_indices), *width), dtype, g.size - 1))
+                    mx.eval(outs[-1])  # one receive at a time: the link delivers the parts in order
+            return mx.concatenate(outs) if outs else mx.zeros((0, *width), dtype)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy blocks on every rank; like write_block_bytes, done before the step that waits for them."""
@@ -168,20 +200,22 @@ def serve_rank(model: LoadedModel, group: Group) -> None:
             runner.write_block_bytes(message["blocks"], _own_part(message["rows"], mode, share))
             backend.evaluate()
         elif op == "forward":
-            batch = Batch(**{name: message[name] for name in BATCH_FIELDS}, block_size=message["block_size"])
             result = message["result"]
             with group.guard():
-                if mode == "tensor":  # rank 0 reads the answer; the others only add their partial sums
-                    backend.evaluate(runner.model.forward(batch, runner.kv, hidden=True))
-                    continue
-                h = group.recv((len(batch.token_ids), model.args.hidden_size), backend.dtype, group.rank - 1)
-                out = runner.model.forward(batch, runner.kv, hidden=result == "hidden", h=h)
-                if not last:
-                    backend.evaluate(group.send(out, group.rank + 1))
-                elif len(batch.logits_indices):
-                    backend.evaluate(group.send(_result(backend, out, result), 0))
-                else:
-                    backend.evaluate(out)
+                for i in range(message["parts"]):
+                    batch = Batch(**{name: message[f"{i}.{name}"] for name in BATCH_FIELDS},
+                                  block_size=message["block_size"])
+                    if mode == "tensor":  # rank 0 reads the answer; the others only add their partial sums
+                        backend.evaluate(runner.model.forward(batch, runner.kv, hidden=True))
+                        continue
+                    h = group.recv((len(batch.token_ids), model.args.hidden_size), backend.dtype, group.rank - 1)
+                    out = runner.model.forward(batch, runner.kv, hidden=result == "hidden", h=h)
+                    if not last:
+                        backend.evaluate(group.send(out, group.rank + 1))
+                    elif len(batch.logits_indices):
+                        backend.evaluate(group.send(_result(backend, out, result), 0))
+                    else:
+                        backend.evaluate(out)
         else:
             raise EdgeserveError(f"rank 0 sent an unknown message {op!r}")
 
