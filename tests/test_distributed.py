@@ -167,10 +167,18 @@ def _cases(mode: str, ranks: int, loaded_model: LoadedModel) -> dict:
             "requests": requests, "arrivals": {"2": ["c1"]}}
 
 
-def _launch(mode: str, ranks: int, loaded_model: LoadedModel, tmp_path: Path) -> dict:
-    cases, out = tmp_path / f"cases-{mode}-{ranks}.json", tmp_path / f"out-{mode}-{ranks}.json"
-    cases.write_text(json.dumps(_cases(mode, ranks, loaded_model)))
-    command = [sys.executable, str(RANK_SCRIPT), mode if ranks > 1 else "none", str(cases), str(out)]
+def _sixteen_streams(loaded_model: LoadedModel) -> dict:
+    """Sixteen ends of the fixture prompts at once on a pool that holds them all: every decode step has 16 rows, so
+    a pipeline runs it as two micro-batches."""
+    requests = [[f"s{i}", PROMPTS[i % len(PROMPTS)][-(4 + i % 4):], 4] for i in range(16)]
+    return {"model": str(loaded_model.source), "config": {"kv_memory": "16MiB", "block_size": BLOCK_SIZE},
+            "requests": requests}
+
+
+def _launch(mode: str, ranks: int, loaded_model: LoadedModel, tmp_path: Path, cases: dict | None = None) -> dict:
+    cases_path, out = tmp_path / f"cases-{mode}-{ranks}.json", tmp_path / f"out-{mode}-{ranks}.json"
+    cases_path.write_text(json.dumps(cases or _cases(mode, ranks, loaded_model)))
+    command = [sys.executable, str(RANK_SCRIPT), mode if ranks > 1 else "none", str(cases_path), str(out)]
     if ranks > 1:
         launcher = Path(sys.executable).with_name("mlx.launch")
         command = [str(launcher), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port()),
@@ -191,6 +199,13 @@ def test_ranks_give_one_ranks_greedy_tokens(mode, ranks, one_rank, first_layers,
     assert one_rank["preemptions"] > 0 and one_rank["prefix_hit_tokens"] > 0 and one_rank["prefix_ram_hit_tokens"] > 0
     split = _launch(mode, ranks, first_layers, tmp_path)
     assert split == one_rank  # every request's tokens, and the same preemptions and prefix hits
+
+
+def test_sixteen_streams_in_micro_batches_give_one_ranks_greedy_tokens(first_layers, tmp_path) -> None:
+    cases = _sixteen_streams(first_layers)
+    one = _launch("none", 1, first_layers, tmp_path, cases)
+    assert len(one["tokens"]) == 16 and one["preemptions"] == 0
+    assert _launch("pipeline", 2, first_layers, tmp_path, cases) == one
 
 
 def test_a_rank_killed_mid_answer_fails_it_and_health_within_seconds(model_path, tmp_path) -> None:
