@@ -884,11 +884,13 @@ static int run_attention(AttTask *t, const int64_t *lens, int D) {
        head 1, read 256 bytes a key 2 KiB apart, latency-bound (64 decode rows of 192 keys: 78 -> 57 ms a step). */
     for (int p0 = 0, p1; p0 < D; p0 = p1) {
         for (p1 = p0 + 1; p1 < D && same_prompt(t, lens, p1 - 1, p1); p1++) {}
-        for (int k = 0; k < att_ranges(t, lens[p1 - 1]); k++)
+        const int ranges = att_ranges(t, lens[p1 - 1]); /* the prompt's last row has the most */
+        for (int k = 0; k < ranges; k++)
             for (int kv = 0; kv < t->n_kv; kv++)
                 for (int s = p0, nr; s < p1; s += nr) {
                     nr = p1 - s < ATT_BLOCK ? p1 - s : ATT_BLOCK;
-                    for (int h = 0; h < group && k < att_ranges(t, lens[s + nr - 1]); h += t->sub)
+                    if (k >= att_ranges(t, lens[s + nr - 1])) continue; /* an earlier block's keys end sooner */
+                    for (int h = 0; h < group; h += t->sub)
                         g_items[n++] = (AttBlock){.s = s, .nr = nr, .kv = kv, .h0 = kv * group + h,
                                                   .nh = group - h < t->sub ? group - h : t->sub, .k = k};
                 }

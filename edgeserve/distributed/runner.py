@@ -50,16 +50,21 @@ def micro_batches(batch: Batch) -> list[Batch]:
         return [batch]
     cut = int(np.clip(np.searchsorted(qs, qs[-1] / 2), 1, batch.num_seqs - 1))
     rows = int(qs[cut])
-    written = [set((batch.slot_mapping[:rows] // bs).tolist()), set((batch.slot_mapping[rows:] // bs).tolist())]
-    used = -(-batch.context_lens // bs)
-    read = [set(batch.block_tables[s, : used[s]].tolist()) for s in range(batch.num_seqs)]
-    if any(written[1] & read[s] for s in range(cut)) or any(written[0] & read[s] for s in range(cut, batch.num_seqs)):
+    written = batch.slot_mapping // bs
+    read = np.arange(batch.block_tables.shape[1]) < -(-batch.context_lens // bs)[:, None]  # the blocks each reads
+    if (np.isin(batch.block_tables[:cut][read[:cut]], written[rows:]).any()
+            or np.isin(batch.block_tables[cut:][read[cut:]], written[:rows]).any()):
         return [batch]
-    sampled = int(np.searchsorted(batch.logits_indices, rows))
-    return [Batch(batch.token_ids[:rows], batch.positions[:rows], batch.slot_mapping[:rows], qs[: cut + 1],
-                  batch.context_lens[:cut], batch.block_tables[:cut], batch.logits_indices[:sampled], bs),
-            Batch(batch.token_ids[rows:], batch.positions[rows:], batch.slot_mapping[rows:], qs[cut:] - rows,
-                  batch.context_lens[cut:], batch.block_tables[cut:], batch.logits_indices[sampled:] - rows, bs)]
+    return [_sequences(batch, 0, cut), _sequences(batch, cut, batch.num_seqs)]
+
+
+def _sequences(batch: Batch, first: int, end: int) -> Batch:
+    """Sequences first..end-1 of batch as a batch of their own, their rows and sampling rows counted from 0."""
+    r0, r1 = int(batch.query_start[first]), int(batch.query_start[end])
+    sampled = batch.logits_indices[(batch.logits_indices >= r0) & (batch.logits_indices < r1)]
+    return Batch(batch.token_ids[r0:r1], batch.positions[r0:r1], batch.slot_mapping[r0:r1],
+                 batch.query_start[first : end + 1] - r0, batch.context_lens[first:end], batch.block_tables[first:end],
+                 sampled - r0, batch.block_size)
 
 
 def start_group(model: LoadedModel, config: EngineConfig, group: Group) -> tuple[MLXBackend, PoolSize, ModelRunner]:
