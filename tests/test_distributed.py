@@ -202,11 +202,17 @@ def test_ranks_give_one_ranks_greedy_tokens(mode, ranks, one_rank, first_layers,
     assert split == one_rank  # every request's tokens, and the same preemptions and prefix hits
 
 
-def test_sixteen_streams_in_micro_batches_give_one_ranks_greedy_tokens(first_layers, tmp_path) -> None:
-    cases = _sixteen_streams(first_layers)
-    one = _launch("none", 1, first_layers, tmp_path, cases)
+@pytest.fixture(scope="module")
+def one_rank_sixteen(first_layers, tmp_path_factory) -> dict:
+    one = _launch("none", 1, first_layers, tmp_path_factory.mktemp("one-rank-16"), _sixteen_streams(first_layers))
     assert len(one["tokens"]) == 16 and one["preemptions"] == 0
-    assert _launch("pipeline", 2, first_layers, tmp_path, cases) == one
+    return one
+
+
+@pytest.mark.parametrize("mode,ranks", [("pipeline", 2), ("pipeline", 3), ("tensor", 2)])
+def test_sixteen_streams_give_one_ranks_greedy_tokens(mode, ranks, one_rank_sixteen, first_layers, tmp_path) -> None:
+    """A pipeline runs each of these steps as two micro-batches; tensor ranks run them whole."""
+    assert _launch(mode, ranks, first_layers, tmp_path, _sixteen_streams(first_layers)) == one_rank_sixteen
 
 
 def test_a_rank_killed_mid_answer_fails_it_and_health_within_seconds(model_path, tmp_path) -> None:
