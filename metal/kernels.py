@@ -12,7 +12,10 @@ Prefill rows take the same kernel although each row reads its K/V again: on an H
 a 512-row chunk ran in about half the gather path's time at context 512 and within 15% of it at
 context 2048 (`python -m edgeserve.bench.metal_kernels`). The KV write stays MLX's own scatter:
 it updates the pool's buffer in place, while a custom kernel always writes a fresh output
-buffer and so would have to copy the whole pool for every layer of every step.
+buffer and so would have to copy the whole pool for every layer of every step. On CUDA, where the
+engine launches a decode step while the one before still computes (and so still holds the pool,
+which makes MLX's scatter copy it), `write_in_place` writes the step's K/V through the pool's
+pointer instead (`kv_write.cu`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -49,13 +53,23 @@ class KernelMeta:
     fallback: ReferenceMeta | None = None
 
 
+def upload_ints(*arrays: np.ndarray) -> list[mx.array]:
+    """Integer arrays as int32 MLX arrays of their shapes, made from one host array: on a GPU that is one copy
+    to the device for a step's few small arrays rather than one apiece."""
+    packed = mx.array(np.concatenate([np.asarray(a, dtype=np.int32).ravel() for a in arrays]))
+    ends = np.cumsum([a.size for a in arrays])
+    return [packed[end - a.size : end].reshape(a.shape) for a, end in zip(arrays, ends)]
+
+
 def prepare_kernel(batch: Batch) -> KernelMeta:
     """Row-to-sequence map, visible lengths and block tables for this batch."""
     row_len = batch.positions + 1
+    row_seq, row_len_device, block_tables = upload_ints(
+        np.repeat(np.arange(batch.num_seqs), batch.query_lens), row_len, batch.block_tables)
     return KernelMeta(
-        row_seq=mx.array(np.repeat(np.arange(batch.num_seqs), batch.query_lens).astype(np.int32)),
-        row_len=mx.array(row_len.astype(np.int32)),
-        block_tables=mx.array(batch.block_tables.astype(np.int32)),
+        row_seq=row_seq,
+        row_len=row_len_device,
+        block_tables=block_tables,
         block_size=batch.block_size,
         max_len=int(row_len.max()),
         batch=batch,
@@ -74,7 +88,7 @@ def make_kernels(make: Callable[..., Any], target: str) -> tuple[Callable[..., A
     make is mx.fast.metal_kernel or mx.fast.cuda_kernel, or the CPU emulation's metal_kernel."""
     partition = make(
         name="edgeserve_paged_attention",
-        input_names=["q", "k_cache", "v_cache", "block_tables", "row_seq", "row_len"],
+        input_names=["q", "k_cache", "v_cache", "block_tables", "row_seq", "row_len", "after"],
         output_names=["part_acc", "part_max", "part_sum"],
         source=generated_path("paged_attention", target).read_text(),
     )
@@ -93,10 +107,45 @@ def _kernels(platform: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
     return make_kernels(mx.fast.metal_kernel if platform == "metal" else mx.fast.cuda_kernel, platform)
 
 
+def make_write_kernel(make: Callable[..., Any]) -> Callable[..., Any]:
+    """The in-place K/V write's kernel object: make is mx.fast.cuda_kernel, or the CPU emulation's cuda_kernel."""
+    return make(
+        name="edgeserve_kv_write",
+        input_names=["k", "v", "slots", "k_pool", "v_pool"],
+        output_names=["written"],
+        source=(Path(__file__).parent / "kv_write.cu").read_text(),
+        ensure_row_contiguous=False,
+    )
+
+
+@cache
+def _write_kernel() -> Callable[..., Any]:
+    return make_write_kernel(mx.fast.cuda_kernel)
+
+
+def write_in_place(k_pool: mx.array, v_pool: mx.array, k: mx.array, v: mx.array, slots: mx.array,
+                   kernel: Callable[..., Any] | None = None) -> mx.array:
+    """Rows k, v [T, n_kv_heads, head] (in the pool's element type) written at pool slots [T] in place, on
+    CUDA; returns the array the attention must take as `after` so that it runs after the write.
+    kernel: the kernel object (`make_write_kernel`'s); MLX's CUDA kernel where None."""
+    per_row = k.shape[1] * k.shape[2]
+    threads = 256
+    (written,) = (kernel or _write_kernel())(
+        inputs=[k, v, slots, k_pool, v_pool],
+        template=[("T", k_pool.dtype)],
+        grid=(max(1, math.ceil(k.shape[0] * per_row / threads)) * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(1,)],
+        output_dtypes=[mx.int32],
+    )
+    return written
+
+
 def kernel_paged_attention(
-    q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: KernelMeta, platform: str
+    q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: KernelMeta, platform: str, after: mx.array | None = None
 ) -> mx.array:
-    """Attention of each row [T, n_heads, head_dim] over its sequence's K/V, read in place from the pool."""
+    """Attention of each row [T, n_heads, head_dim] over its sequence's K/V, read in place from the pool;
+    after: what it must run after (`write_in_place`'s result), if anything."""
     _, n_heads, hd = q.shape
     n_kv = k_cache.shape[2]
     if not kernel_supports(hd, n_heads, n_kv):
@@ -105,20 +154,22 @@ def kernel_paged_attention(
         return reference_paged_attention(q, k_cache, v_cache, meta.fallback)
     if k_cache.dtype not in (q.dtype, mx.int8) or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"q is {q.dtype} but the pool is {k_cache.dtype}/{v_cache.dtype}")
-    return launch(*_kernels(platform), q, k_cache, v_cache, meta)
+    return launch(*_kernels(platform), q, k_cache, v_cache, meta, after)
 
 
 def launch(
     partition: Callable[..., Any], reduce: Callable[..., Any], q: mx.array, k_cache: mx.array, v_cache: mx.array,
-    meta: KernelMeta,
+    meta: KernelMeta, after: mx.array | None = None,
 ) -> mx.array:
-    """Both passes through the given kernel objects, sized for this batch."""
+    """Both passes through the given kernel objects, sized for this batch; the first takes `after` as an input
+    it does not read (an array already computed where there is nothing to wait for)."""
     t, n_heads, hd = q.shape
     n_kv = k_cache.shape[2]
     part = partition_size(t, n_kv, meta.max_len)
     num_parts = math.ceil(meta.max_len / part)
     part_acc, part_max, part_sum = partition(
-        inputs=[q, k_cache, v_cache, meta.block_tables, meta.row_seq, meta.row_len],
+        inputs=[q, k_cache, v_cache, meta.block_tables, meta.row_seq, meta.row_len,
+                meta.row_len if after is None else after],
         template=[
             ("T", q.dtype),
             ("HEAD_DIM", hd),

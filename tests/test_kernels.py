@@ -127,6 +127,48 @@ def test_kernel_decode_only_batch_small_contexts():
     assert mx.abs(got.astype(mx.float32) - want).max().item() <= TOLERANCE["float16"]
 
 
+@pytest.mark.skipif(PLATFORM != "cuda", reason="K/V are written in place on CUDA only")
+@pytest.mark.parametrize("pool_dtype", ["float16", "int8"])
+def test_attention_waits_for_the_kv_written_in_place(pool_dtype):
+    """Each decode row's own key and value written in place (the CUDA write kernel), then attended to, for 24
+    layers in one graph: every output is the reference's over a pool written by MLX's scatter. MLX orders CUDA
+    kernels only by the buffers they share, so a kernel reading rows that do not wait for their write would
+    read the old ones."""
+    from edgeserve.backends.mlx_backend import store_int8
+    from edgeserve.metal.kernels import write_in_place
+
+    batch, q, k, v = random_case(11, 16, 2, 4, 64, max_context=200)
+    decode, q = decode_only(batch, q)
+    rows = np.random.default_rng(5).standard_normal((2, len(decode.positions), 2, 64)).astype(np.float32)
+    with mx.stream(mx.cpu):  # the pools' bits made once, on the CPU, for both sides
+        as_pool = store_int8 if pool_dtype == "int8" else (lambda a: a.astype(mx.float16))
+        new_k, new_v = (np.array(as_pool(mx.array(a))) for a in rows)
+        layers = [[np.array(as_pool(mx.array(a * (1 + layer / 24)))) for a in (k, v)] for layer in range(24)]
+    q = mx.array(q).astype(mx.float16)
+    slots = mx.array(decode.slot_mapping.astype(np.int32))
+    meta = prepare_kernel(decode)
+    outs, pools = [], []
+    for k_pool, v_pool in layers:
+        k_pool, v_pool = mx.array(k_pool), mx.array(v_pool)
+        mx.eval(k_pool, v_pool)
+        after = write_in_place(k_pool, v_pool, mx.array(new_k), mx.array(new_v), slots)
+        outs.append(kernel_paged_attention(q, k_pool, v_pool, meta, PLATFORM, after))
+        pools.append((k_pool, v_pool))
+    mx.eval(*outs)
+    with mx.stream(mx.cpu):
+        for layer, (out, (k_pool, v_pool)) in enumerate(zip(outs, layers)):
+            for pool, new in ((k_pool, new_k), (v_pool, new_v)):
+                pool.reshape(-1, *pool.shape[2:])[decode.slot_mapping] = new
+            np.testing.assert_array_equal(np.array(pools[layer][0]), k_pool)
+            np.testing.assert_array_equal(np.array(pools[layer][1]), v_pool)
+            pool_q = q.astype(mx.float32)
+            k_ref, v_ref = (mx.array(a) if pool_dtype == "int8" else mx.array(a).astype(mx.float32)
+                            for a in (k_pool, v_pool))
+            want = reference_paged_attention(pool_q, k_ref, v_ref, prepare_reference(decode))
+            diff = mx.abs(out.astype(mx.float32) - want).max().item()
+            assert diff <= TOLERANCE["float16"], f"layer {layer}: max abs diff {diff}"
+
+
 def test_reference_forced_by_environment(monkeypatch):
     monkeypatch.setenv("EDGESERVE_ATTENTION", "reference")
     assert select_attention().name == "mlx-reference"

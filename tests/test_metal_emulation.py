@@ -14,6 +14,7 @@ import os
 import re
 import sys
 
+import numpy as np
 import pytest
 
 from edgeserve.backends import kv_formats
@@ -24,7 +25,8 @@ mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install '
 
 from edgeserve.metal.emulator.runner import EmulationError, compiler, cuda_kernel, metal_kernel  # noqa: E402
 from edgeserve.metal import instantiations  # noqa: E402
-from edgeserve.metal.kernels import launch, make_kernels, partition_size, prepare_kernel  # noqa: E402
+from edgeserve.metal.kernels import (  # noqa: E402
+    launch, make_kernels, make_write_kernel, partition_size, prepare_kernel, write_in_place)
 from edgeserve.metal.reference import prepare_reference, reference_paged_attention  # noqa: E402
 
 # CI always runs the emulation: there a missing compiler fails the tests rather than skipping them.
@@ -227,3 +229,23 @@ def test_instantiations_for_a_compile_check_on_a_mac(tmp_path):
             assert any(f"<{dtype}, {head_dim}, 4, " in text for text in partitions)
     for text in files.values():
         assert text.startswith("#include <metal_stdlib>\n") and '[[host_name("' in text
+
+
+@pytest.mark.parametrize("pool_dtype", ["float32", "float16", "int8"])
+def test_kv_write_puts_each_row_at_its_slot_through_the_pools_pointers(pool_dtype):
+    """The CUDA in-place K/V write (run emulated) leaves both pools as MLX's scatter would: rows read through their
+    strides (K a slice of a wider array, as the compiled blocks give it), every other slot untouched."""
+    rng = np.random.default_rng(3)
+    blocks, block_size, n_kv, head_dim = 6, 4, 2, 64
+    dt = getattr(mx, pool_dtype)
+    row = kv_formats.kv_head_bytes(pool_dtype, head_dim) // dt.size
+    pools = [mx.array(rng.integers(-100, 100, (blocks, block_size, n_kv, row))).astype(dt) for _ in range(2)]
+    slots = np.array([5, 17, 2, 22, 9])
+    wide = mx.array(rng.integers(-100, 100, (len(slots), n_kv + 3, row))).astype(dt)
+    k, v = wide[:, 3:], mx.array(rng.integers(-100, 100, (len(slots), n_kv, row))).astype(dt)
+    kernel = make_write_kernel(cuda_kernel)
+    write_in_place(*pools, k, v, mx.array(slots.astype(np.int32)), kernel=kernel)
+    for pool, rows, got in zip(pools, (k, v), kernel.inputs_after[3:]):
+        want = np.array(pool).reshape(blocks * block_size, n_kv, row)
+        want[slots] = np.array(rows)
+        np.testing.assert_array_equal(np.array(got).reshape(want.shape), want)

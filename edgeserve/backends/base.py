@@ -47,6 +47,8 @@ class Backend(Protocol):
     name: str  # "numpy", "mlx"
     # whether launched work runs while the host goes on (a GPU), so that launching a step early pays
     computes_async: bool
+    # whether a step may be launched while the one before still computes without its K/V writes copying the pool
+    launch_early: bool
     kv_dtype: str  # the KV pool's element type, one of KV_DTYPES: "float32", "float16" or "int8"
 
     def describe(self) -> str:

@@ -23,6 +23,8 @@ from edgeserve.backends.mlx_blocks import CompiledBlocks, rope_rows
 from edgeserve.batch import Batch, SamplingRows
 from edgeserve.errors import EdgeserveError
 from edgeserve.metal import select_attention
+from edgeserve.metal.kernels import kernel_paged_attention, upload_ints, write_in_place
+from edgeserve.metal.launch_limits import kernel_supports
 from edgeserve.quant.affine import QuantizedTensor
 from edgeserve.quant.kquants import KQuantTensor
 
@@ -80,6 +82,7 @@ class MLXMeta:
     positions: mx.array
     slot_blocks: mx.array  # pool block of each row's K/V
     slot_offsets: mx.array  # offset inside that block
+    slots: mx.array  # the pool slot of each row's K/V (block * block_size + offset)
     logits_indices: mx.array
     freqs: mx.array  # RoPE wavelengths, as mx.fast.rope takes them
     attention: Any  # the active attention path's own per-step arrays
@@ -104,6 +107,9 @@ class MLXBackend:
                                  "pool would hold the same values in twice the memory; use float16 or int8")
         self.attention = select_attention()
         self.group = group
+        # whether a step may be launched while the one before computes without copying the pool (fuse_blocks
+        # decides: where every layer writes its K/V in place)
+        self.launch_early = False
         self._written: list[mx.array] = []  # this step's pool arrays, evaluated with its logits
 
     def describe(self) -> str:
@@ -167,7 +173,14 @@ class MLXBackend:
         return Linear([self._weight(w) for w in fused], self.group if partial else None)
 
     def fuse_blocks(self, layers: list[Any], eps: float, ropes: list[mx.array]) -> CompiledBlocks:
-        return CompiledBlocks(self, layers, eps, ropes)
+        # in place only where every layer's attention is the CUDA kernel, which waits for the write: the reference
+        # (a sliding window, a head the kernel cannot take) reads the pool through MLX, which would not wait
+        in_place = self.attention.name == "cuda-kernel" and all(
+            layer.attention.window is None
+            and kernel_supports(layer.attention.head_dim, layer.attention.n_heads, layer.attention.n_kv_heads)
+            for layer in layers)
+        self.launch_early = in_place
+        return CompiledBlocks(self, layers, eps, ropes, in_place)
 
     def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> mx.array:
         return mx.array((1.0 / inv_freq).astype(np.float32))
@@ -177,12 +190,16 @@ class MLXBackend:
     def batch_meta(self, batch: Batch, rope: mx.array) -> MLXMeta:
         bs = batch.block_size
         device_tokens = batch.device_token_ids
+        tokens, positions, slot_blocks, slot_offsets, slots, logits_indices = upload_ints(
+            batch.token_ids, batch.positions, batch.slot_mapping // bs, batch.slot_mapping % bs, batch.slot_mapping,
+            batch.logits_indices)
         return MLXMeta(
-            token_ids=mx.array(batch.token_ids.astype(np.int32)) if device_tokens is None else device_tokens,
-            positions=mx.array(batch.positions.astype(np.int32)),
-            slot_blocks=mx.array((batch.slot_mapping // bs).astype(np.int32)),
-            slot_offsets=mx.array((batch.slot_mapping % bs).astype(np.int32)),
-            logits_indices=mx.array(batch.logits_indices.astype(np.int32)),
+            token_ids=tokens if device_tokens is None else device_tokens,
+            positions=positions,
+            slot_blocks=slot_blocks,
+            slot_offsets=slot_offsets,
+            slots=slots,
+            logits_indices=logits_indices,
             freqs=rope,
             attention=self.attention.prepare(batch),
         )
@@ -237,10 +254,20 @@ class MLXBackend:
     def write_kv(self, cache: mx.array, values: mx.array, meta: MLXMeta) -> mx.array:
         # Indexing the 4-D pool directly (no reshape) leaves the scatter's input unshared, so MLX
         # updates the pool's buffer in place instead of copying it.
-        heads = store_int8(values) if cache.dtype == mx.int8 else values.astype(cache.dtype)
-        cache[meta.slot_blocks, meta.slot_offsets] = heads
+        cache[meta.slot_blocks, meta.slot_offsets] = self._pool_rows(cache, values)
         self._written.append(cache)
         return cache
+
+    def write_in_place(self, k_cache: mx.array, v_cache: mx.array, k: mx.array, v: mx.array, meta: MLXMeta
+                       ) -> mx.array:
+        """One layer's K and V rows written at the step's slots through the pools' pointers (on CUDA: see
+        `metal.kernels.write_in_place`); returns what the layer's attention must run after."""
+        return write_in_place(k_cache, v_cache, self._pool_rows(k_cache, k), self._pool_rows(v_cache, v), meta.slots)
+
+    @staticmethod
+    def _pool_rows(cache: mx.array, values: mx.array) -> mx.array:
+        """Heads as the pool holds them."""
+        return store_int8(values) if cache.dtype == mx.int8 else values.astype(cache.dtype)
 
     def copy_blocks(self, cache: mx.array, pairs: list[tuple[int, int]]) -> mx.array:
         src, dst = (mx.array(list(ids), dtype=mx.int32) for ids in zip(*pairs))
@@ -285,6 +312,12 @@ class MLXBackend:
     def paged_attention(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: MLXMeta,
                         window: int | None = None) -> mx.array:
         return self.attention.run(q, k_cache, v_cache, meta.attention, window)
+
+    def paged_attention_after(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: MLXMeta,
+                              after: mx.array) -> mx.array:
+        """The CUDA kernel's attention over K/V that `write_in_place` wrote; after: its result, which the kernel
+        waits for."""
+        return kernel_paged_attention(q, k_cache, v_cache, meta.attention, "cuda", after)
 
 
 def store_int8(values: mx.array) -> mx.array:

@@ -5,7 +5,9 @@ layer: on a GPU, where a small model's kernels take less, that host time is most
 Each layer here is two compiled calls (everything before the K/V write, everything after attention:
 norms, matmuls, RoPE, activation and residual adds, fused into fewer kernels) around the pool write
 and the paged attention, which stay as they are (the write updates the pool in place; the attention
-is the custom kernel). A compiled function is traced once per input shape: steps of up to
+is the custom kernel). Where every layer's attention is the CUDA kernel, the K/V write is a kernel
+of ours that writes through the pool's pointer (`write_in_place`), so that a step may be launched
+while the one before still computes. A compiled function is traced once per input shape: steps of up to
 `MAX_COMPILED_ROWS` rows (decode steps) use them, larger ones (long prefill chunks, whose kernels
 dwarf their host time) the same math op by op.
 
@@ -39,8 +41,10 @@ def rope_rows(x: mx.array, positions: mx.array, freqs: mx.array) -> mx.array:
 class CompiledBlocks:
     """Every decoder block of a step: `blocks(h, kv, meta)` returns the residual stream after the last."""
 
-    def __init__(self, backend: MLXBackend, layers: list[Any], eps: float, ropes: list[mx.array]):
+    def __init__(self, backend: MLXBackend, layers: list[Any], eps: float, ropes: list[mx.array], in_place: bool):
+        """in_place: write each layer's K/V with `MLXBackend.write_in_place` (its attention then waits for it)."""
         self.backend = backend
+        self.in_place = in_place
         self.layers = layers
         self.ropes = ropes
         self.eps = eps
@@ -55,8 +59,11 @@ class CompiledBlocks:
             before, after = parts[i]
             m = metas[layer.attention.rope]
             q, k, v = before(h, m.positions, m.freqs)
-            kv.write(i, k, v, m)
-            o = be.paged_attention(q, kv.k[i], kv.v[i], m, layer.attention.window)
+            if self.in_place:
+                o = be.paged_attention_after(q, kv.k[i], kv.v[i], m, be.write_in_place(kv.k[i], kv.v[i], k, v, m))
+            else:
+                kv.write(i, k, v, m)
+                o = be.paged_attention(q, kv.k[i], kv.v[i], m, layer.attention.window)
             h = after(h, o)
         return h
 

@@ -106,6 +106,7 @@ class NumpyMeta:
 class NumpyBackend:
     name = "numpy"
     computes_async = False
+    launch_early = False
 
     def __init__(self, weights: str = "float32", threads: int | None = None, activations: str | None = None,
                  kv_dtype: str = "float32"):

@@ -389,8 +389,10 @@ class LLMEngine:
         dropped: its K/V at the slot after each row's is written again before anything reads it, and the numbers
         its sampled rows drew go back to their generators.
 
-        It is launched only once this step is done because the pool's writes update it in place, which the device
-        can do only once nothing else in flight still uses it (else each write would copy the whole pool)."""
+        It is launched at once where the backend writes K/V through the pool's pointer (`launch_early`: the
+        device then always has the next step queued); elsewhere only once this step is done, because MLX's own
+        pool writes update it in place only once nothing else in flight still uses it (else each write would
+        copy the whole pool)."""
         sampling = [item.seq for item in scheduled if item.samples]
         start = None  # when this step was launched, for its model time
         if self._ahead is not None and self._ahead.matches(scheduled) and not self.block_manager.has_pending_moves():
@@ -405,16 +407,20 @@ class LLMEngine:
             tokens = self.runner.sampled_tokens(scheduled, self._sampling_rows(sampling), profile=self.profile)
             self.backend.launch(tokens)
             self.profile.lap("eval")  # a backend computing on the host (MLX on the CPU) computes here
+        ahead = None
         if self.backend.computes_async and len(sampling) == len(scheduled) and all(
                 item.num_new_tokens == 1 and self._room_after_next(item.seq) for item in scheduled):
-            self._ahead = self._build_ahead(sampling, tokens)
+            ahead = self._build_ahead(sampling, tokens)
+            if ahead is not None and self.backend.launch_early:
+                self.backend.launch(ahead.tokens)
         sampled = self.backend.fetch_tokens(tokens)
         self.profile.lap("eval")
         if start is not None:  # what a step of so many rows costs on this machine decides how long drafts pay
             self.speculator.observe(sum(item.num_new_tokens for item in scheduled), time.perf_counter() - start)
-        if self._ahead is not None:
-            self.backend.launch(self._ahead.tokens)
+        if ahead is not None and not self.backend.launch_early:
+            self.backend.launch(ahead.tokens)
             self.profile.lap("eval")
+        self._ahead = ahead
         self._update(scheduled)
         outputs = [self._output(seq, token, None, None) for seq, token in zip(sampling, sampled)]
         self._count_outputs(sum(len(out.token_ids) for out in outputs))

@@ -91,6 +91,7 @@ class EmulatedKernel:
                  header: str = ""):
         self.language, self.name = language, name
         self.input_names, self.output_names, self.source, self.header = input_names, output_names, source, header
+        self.inputs_after: list[mx.array] = []  # the last call's inputs as the kernel left them
 
     def _describe(self, inputs: list[mx.array], output_dtypes: list[mx.Dtype], template: Template):
         """What the generated source depends on, with dtypes by their MLX names."""
@@ -111,7 +112,7 @@ class EmulatedKernel:
                  "  const emu::uint3 grid = launch.dims();", "  const emu::uint3 tg = launch.dims();"]
         args = []
         for i, (info, shape) in enumerate(zip(inputs, shape_infos(self.source, self.input_names))):
-            lines.append(f"  const emu::Input in{i} = launch.input({i});")
+            lines.append(f"  emu::Input in{i} = launch.input({i});")
             pointer = f"reinterpret_cast<const {types[info.dtype]}*>(in{i}.data.data())"
             args.append(f"*{pointer}" if info.ndim == 0 else pointer)
             if info.ndim > 0:
@@ -129,6 +130,8 @@ class EmulatedKernel:
             func = "mlx::core::cu::" + cuda_kernel_name(self.name, template)
         lines.append(f"  emu::dispatch(grid, tg, [&](const emu::Attributes& a) {{ {func}({', '.join(args)}); }});")
         lines += [f"  launch.save({i}, out{i});" for i in range(len(output_dtypes))]
+        # then the inputs as the kernel left them (one that writes through an input's pointer changed it)
+        lines += [f"  launch.save({len(output_dtypes) + i}, in{i}.data);" for i in range(len(inputs))]
         return "\n".join([*lines, "  return 0;", "}"]) + "\n"
 
     def __call__(
@@ -160,6 +163,8 @@ class EmulatedKernel:
             raise EmulationError(f"{self.name} aborted (exit {done.returncode}): {done.stderr.strip()}")
         outputs = [_from_bytes((run_dir / f"out{i}.bin").read_bytes(), tuple(s), d)
                    for i, (s, d) in enumerate(zip(output_shapes, output_dtypes))]
+        self.inputs_after = [_from_bytes((run_dir / f"out{len(outputs) + i}.bin").read_bytes(), a.shape, a.dtype)
+                             for i, a in enumerate(inputs)]
         shutil.rmtree(run_dir)
         return outputs
 
@@ -169,6 +174,7 @@ def metal_kernel(name: str, input_names: list[str], output_names: list[str], sou
     return EmulatedKernel("metal", name, input_names, output_names, source, header)
 
 
-def cuda_kernel(name: str, input_names: list[str], output_names: list[str], source: str, header: str = "") -> EmulatedKernel:
-    """Like mx.fast.cuda_kernel, run on the CPU."""
+def cuda_kernel(name: str, input_names: list[str], output_names: list[str], source: str, header: str = "",
+                ensure_row_contiguous: bool = True) -> EmulatedKernel:
+    """Like mx.fast.cuda_kernel, run on the CPU (inputs are always passed contiguous, with their strides)."""
     return EmulatedKernel("cuda", name, input_names, output_names, source, header)
