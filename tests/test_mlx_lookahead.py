@@ -52,7 +52,8 @@ def generate(engine: LLMEngine, logprobs: int | None, sampled: bool) -> dict[int
 
 @pytest.mark.parametrize("early", [False, True], ids=["after-fetch", "early"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_steps_launched_ahead_give_the_host_sampled_tokens(mlx_on_cpu, tiny_model, sampled, early) -> None:
+def test_steps_launched_ahead_give_the_host_sampled_tokens(mlx_on_cpu, tiny_model, sampled, early,
+                                                          monkeypatch) -> None:
     """Tokens drawn on the device, with steps launched ahead (as on a GPU) and dropped where requests arrive,
     end, are aborted or preempted, are the host sampler's: sampled rows take their request's next number in
     order, and a dropped step gives its numbers back. Float32 on the CPU, where a float tie is rare enough for
@@ -60,7 +61,7 @@ def test_steps_launched_ahead_give_the_host_sampled_tokens(mlx_on_cpu, tiny_mode
     writes go through the pool's pointer), so one is always in flight behind the other."""
     ahead = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
     ahead.backend.computes_async = True
-    ahead.backend.launch_early = early
+    monkeypatch.setattr(type(ahead.backend), "launch_early", early)
     host = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
     got = generate(ahead, logprobs=None, sampled=sampled)
     # logprobs take every row through the host's sampler, and no step is launched early

@@ -107,9 +107,9 @@ class MLXBackend:
                                  "pool would hold the same values in twice the memory; use float16 or int8")
         self.attention = select_attention()
         self.group = group
-        # whether a step may be launched while the one before computes without copying the pool (fuse_blocks
-        # decides: where every layer writes its K/V in place)
-        self.launch_early = False
+        # how the models on this backend (a draft model's too) write their K/V: "in place" (`write_in_place`) or
+        # "scatter" (MLX's, which copies a pool that a step in flight still reads)
+        self._kv_writes: set[str] = set()
         self._written: list[mx.array] = []  # this step's pool arrays, evaluated with its logits
 
     def describe(self) -> str:
@@ -179,8 +179,14 @@ class MLXBackend:
             layer.attention.window is None
             and kernel_supports(layer.attention.head_dim, layer.attention.n_heads, layer.attention.n_kv_heads)
             for layer in layers)
-        self.launch_early = in_place
+        self._kv_writes.add("in place" if in_place else "scatter")
         return CompiledBlocks(self, layers, eps, ropes, in_place)
+
+    @property
+    def launch_early(self) -> bool:
+        """Whether a step may be launched while the one before still computes: where every model here writes its
+        K/V in place (a step's writes would otherwise copy the whole pool)."""
+        return self._kv_writes == {"in place"}
 
     def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> mx.array:
         return mx.array((1.0 / inv_freq).astype(np.float32))
@@ -254,6 +260,7 @@ class MLXBackend:
     def write_kv(self, cache: mx.array, values: mx.array, meta: MLXMeta) -> mx.array:
         # Indexing the 4-D pool directly (no reshape) leaves the scatter's input unshared, so MLX
         # updates the pool's buffer in place instead of copying it.
+        self._kv_writes.add("scatter")
         cache[meta.slot_blocks, meta.slot_offsets] = self._pool_rows(cache, values)
         self._written.append(cache)
         return cache
