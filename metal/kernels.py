@@ -49,7 +49,7 @@ class KernelMeta:
     block_tables: mx.array  # [B, max_blocks]
     block_size: int
     max_len: int
-    batch: Batch  # kept for shapes the kernels do not cover, which take the reference path
+    batch: Batch | None = None  # kept for shapes the kernels do not cover, which take the reference path
     fallback: ReferenceMeta | None = None
 
 
@@ -64,8 +64,11 @@ def upload_ints(*arrays: np.ndarray) -> list[mx.array]:
 def prepare_kernel(batch: Batch) -> KernelMeta:
     """Row-to-sequence map, visible lengths and block tables for this batch."""
     row_len = batch.positions + 1
+    # the tables' width padded to a power of two: a compiled step is traced once per width (mlx_blocks)
+    tables = batch.block_tables
+    padding = (1 << (tables.shape[1] - 1).bit_length()) - tables.shape[1]
     row_seq, row_len_device, block_tables = upload_ints(
-        np.repeat(np.arange(batch.num_seqs), batch.query_lens), row_len, batch.block_tables)
+        np.repeat(np.arange(batch.num_seqs), batch.query_lens), row_len, np.pad(tables, ((0, 0), (0, padding))))
     return KernelMeta(
         row_seq=row_seq,
         row_len=row_len_device,

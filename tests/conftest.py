@@ -100,11 +100,13 @@ def tiny_tokenizer(folder: Path) -> Tokenizer:
     return Tokenizer.from_dir(folder)
 
 
-def tiny_model_from(folder: Path, seed: int = 0) -> LoadedModel:
-    """Two layers, 64 wide, random weights from a seeded generator, over the tiny tokenizer."""
+def tiny_model_from(folder: Path, seed: int = 0, heads: int = 4) -> LoadedModel:
+    """Two layers, 64 wide, random weights from a seeded generator, over the tiny tokenizer; heads query heads
+    (half as many KV heads, at least one)."""
     tokenizer = tiny_tokenizer(folder)
-    args = ModelArgs(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=tokenizer.vocab_size, max_position_embeddings=4096)
+    args = ModelArgs(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=heads,
+                     num_key_value_heads=max(1, heads // 2), vocab_size=tokenizer.vocab_size,
+                     max_position_embeddings=4096)
     rng = np.random.default_rng(seed)
 
     def w(*shape: int) -> np.ndarray:

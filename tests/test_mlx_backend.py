@@ -166,3 +166,37 @@ def test_kv_dtype_choices(mlx_on_cpu, monkeypatch):
     assert MLXBackend("int8").kv_dtype == "int8"
     with pytest.raises(EdgeserveError, match="twice the memory"):
         MLXBackend("float32")
+
+
+@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()), reason="K/V are written in place on CUDA only")
+def test_one_compiled_call_for_every_layer_gives_the_layer_by_layer_step(tmp_path):
+    """On CUDA a decode-sized step runs every layer as one compiled call (K/V written in place, the attention's
+    partitions sized for the padded block tables): its hidden states and the K/V it writes are those of the same
+    step run layer by layer, on decode rows and a prefill chunk of contexts in three block-table widths."""
+    from conftest import tiny_model_from
+    from edgeserve.backends.kv_pool import KVPool
+    from edgeserve.batch import random_paged_batch
+
+    engine = LLMEngine(tiny_model_from(tmp_path, heads=1), backend="mlx")  # head_dim 64: the kernels' shape
+    be, blocks = engine.backend, engine.runner.model.fused_blocks
+    compiled = blocks.stack
+    assert blocks.in_place and compiled is not None and be.launch_early
+    rng = np.random.default_rng(2)
+    for contexts, query_lens in (([40, 70, 130], [1, 1, 1]), ([9, 300], [1, 12]), ([600], [1])):
+        batch, num_blocks = random_paged_batch(contexts, query_lens, 16, rng)
+        pools = [rng.standard_normal((num_blocks, 16, 1, 64)).astype(np.float16) for _ in range(4)]
+        h = mx.array(rng.standard_normal((sum(query_lens), 64)).astype(np.float16))
+        meta = be.batch_meta(batch, blocks.ropes[0])
+        results = []
+        for stack in (compiled, None):
+            kv = KVPool(be, 2, num_blocks, 16, 1, 64)
+            kv.k, kv.v = [mx.array(p) for p in pools[:2]], [mx.array(p) for p in pools[2:]]
+            blocks.stack = stack
+            out = blocks(h, kv, meta)
+            mx.eval(out, *kv.k, *kv.v)
+            results.append((np.array(out.astype(mx.float32)), [np.array(a.astype(mx.float32)) for a in kv.k + kv.v]))
+        (got, got_pools), (want, want_pools) = results
+        np.testing.assert_allclose(got, want, atol=2e-2, rtol=0)
+        for a, b in zip(got_pools, want_pools):
+            np.testing.assert_allclose(a, b, atol=2e-2, rtol=0)
+        assert not np.array_equal(got_pools[0], pools[0].astype(np.float32))  # the step wrote its rows

@@ -261,7 +261,7 @@ class MLXBackend:
         # Indexing the 4-D pool directly (no reshape) leaves the scatter's input unshared, so MLX
         # updates the pool's buffer in place instead of copying it.
         self._kv_writes.add("scatter")
-        cache[meta.slot_blocks, meta.slot_offsets] = self._pool_rows(cache, values)
+        cache[meta.slot_blocks, meta.slot_offsets] = self.pool_rows(cache, values)
         self._written.append(cache)
         return cache
 
@@ -269,10 +269,10 @@ class MLXBackend:
                        ) -> mx.array:
         """One layer's K and V rows written at the step's slots through the pools' pointers (on CUDA: see
         `metal.kernels.write_in_place`); returns what the layer's attention must run after."""
-        return write_in_place(k_cache, v_cache, self._pool_rows(k_cache, k), self._pool_rows(v_cache, v), meta.slots)
+        return write_in_place(k_cache, v_cache, self.pool_rows(k_cache, k), self.pool_rows(v_cache, v), meta.slots)
 
     @staticmethod
-    def _pool_rows(cache: mx.array, values: mx.array) -> mx.array:
+    def pool_rows(cache: mx.array, values: mx.array) -> mx.array:
         """Heads as the pool holds them."""
         return store_int8(values) if cache.dtype == mx.int8 else values.astype(cache.dtype)
 

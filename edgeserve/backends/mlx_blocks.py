@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from edgeserve.metal.kernels import KernelMeta, kernel_paged_attention, write_in_place
+
 if TYPE_CHECKING:
     from edgeserve.backends.kv_pool import KVPool
     from edgeserve.backends.mlx_backend import MLXBackend, MLXMeta
@@ -50,9 +52,16 @@ class CompiledBlocks:
         self.eps = eps
         self.plain = [(self._before_write(layer), self._after_attention(layer)) for layer in layers]
         self.compiled = [(mx.compile(before), mx.compile(after)) for before, after in self.plain]
+        # Writing in place, a step of up to MAX_COMPILED_ROWS rows is one compiled call for every layer: the
+        # Python of ~5 calls a layer (two of them custom kernels, whose every call writes out its source) is
+        # then paid once per shape, not per step.
+        self.stack = mx.compile(self._stack) if in_place else None
 
     def __call__(self, h: mx.array, kv: KVPool, meta: MLXMeta) -> mx.array:
         be = self.backend
+        if self.stack is not None and h.shape[0] <= MAX_COMPILED_ROWS:
+            a = meta.attention
+            return self.stack(h, meta.positions, meta.slots, a.row_seq, a.row_len, a.block_tables, *kv.k, *kv.v)
         parts = self.compiled if h.shape[0] <= MAX_COMPILED_ROWS else self.plain
         metas = [meta, *(be.with_rope(meta, rope) for rope in self.ropes[1:])]
         for i, layer in enumerate(self.layers):
@@ -65,6 +74,22 @@ class CompiledBlocks:
                 kv.write(i, k, v, m)
                 o = be.paged_attention(q, kv.k[i], kv.v[i], m, layer.attention.window)
             h = after(h, o)
+        return h
+
+    def _stack(self, h: mx.array, positions: mx.array, slots: mx.array, row_seq: mx.array, row_len: mx.array,
+               block_tables: mx.array, *pools: mx.array) -> mx.array:
+        """Every layer, K/V written in place (pools: each layer's K, then each layer's V). Traced once per shape, so
+        the attention's partitions are sized for the block tables' width (a shape: prepare_kernel pads it to a power
+        of two, so widths repeat) rather than for the longest context (a value, which a trace would keep)."""
+        be, n = self.backend, len(self.layers)
+        block_size = pools[0].shape[1]
+        attention = KernelMeta(row_seq, row_len, block_tables, block_size, block_tables.shape[1] * block_size)
+        for i, layer in enumerate(self.layers):
+            before, after = self.plain[i]
+            k_pool, v_pool = pools[i], pools[n + i]
+            q, k, v = before(h, positions, self.ropes[layer.attention.rope])
+            written = write_in_place(k_pool, v_pool, be.pool_rows(k_pool, k), be.pool_rows(v_pool, v), slots)
+            h = after(h, kernel_paged_attention(q, k_pool, v_pool, attention, "cuda", written))
         return h
 
     def _before_write(self, layer: Any) -> Callable[[mx.array, mx.array, mx.array], tuple[mx.array, ...]]:
