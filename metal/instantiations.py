@@ -52,7 +52,7 @@ def instantiations() -> dict[str, str]:
     sources: dict[str, str] = {}
     partition, reduce = make_kernels(lambda **kernel: _Recorder(sources, **kernel), "metal")
     rng = np.random.default_rng(0)
-    # One decode row of 60 tokens: its block table (4 blocks), row arrays and partition states sit in constant memory.
+    # One decode row of 60 tokens: its row arrays and partition states sit in constant memory.
     for rows, context in ((1, 60), (16, 300)):
         batch, num_blocks = random_paged_batch([context] * rows, [1] * rows, BLOCK_SIZE, rng)
         meta = prepare_kernel(batch)

@@ -38,6 +38,7 @@ from edgeserve.metal.reference import ReferenceMeta, prepare_reference, referenc
 # Enough threadgroups to keep every core of a large GPU busy; partitions are cut to reach it.
 TARGET_THREADGROUPS = 512
 MIN_PARTITION, MAX_PARTITION = 64, 1024
+MIN_TABLE_WIDTH = 64  # blocks: 1,024 tokens of 16-token blocks
 
 
 @dataclass
@@ -64,9 +65,10 @@ def upload_ints(*arrays: np.ndarray) -> list[mx.array]:
 def prepare_kernel(batch: Batch) -> KernelMeta:
     """Row-to-sequence map, visible lengths and block tables for this batch."""
     row_len = batch.positions + 1
-    # the tables' width padded to a power of two: a compiled step is traced once per width (mlx_blocks)
+    # the tables' width padded to a power of two, MIN_TABLE_WIDTH at least: a compiled step is traced once per
+    # width (mlx_blocks), and a trace costs far more than the empty partitions the padding adds
     tables = batch.block_tables
-    padding = (1 << (tables.shape[1] - 1).bit_length()) - tables.shape[1]
+    padding = max(MIN_TABLE_WIDTH, 1 << (tables.shape[1] - 1).bit_length()) - tables.shape[1]
     row_seq, row_len_device, block_tables = upload_ints(
         np.repeat(np.arange(batch.num_seqs), batch.query_lens), row_len, np.pad(tables, ((0, 0), (0, padding))))
     return KernelMeta(

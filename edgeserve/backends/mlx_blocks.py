@@ -52,14 +52,16 @@ class CompiledBlocks:
         self.eps = eps
         self.plain = [(self._before_write(layer), self._after_attention(layer)) for layer in layers]
         self.compiled = [(mx.compile(before), mx.compile(after)) for before, after in self.plain]
-        # Writing in place, a step of up to MAX_COMPILED_ROWS rows is one compiled call for every layer: the
-        # Python of ~5 calls a layer (two of them custom kernels, whose every call writes out its source) is
-        # then paid once per shape, not per step.
+        # Writing in place, a decode step of up to MAX_COMPILED_ROWS rows is one compiled call for every layer:
+        # the Python of ~5 calls a layer (two of them custom kernels, whose every call writes out its source) is
+        # then paid once per shape, not per step. Decode steps only: their row counts repeat, where prompts'
+        # lengths would each cost a trace of every layer.
         self.stack = mx.compile(self._stack) if in_place else None
 
     def __call__(self, h: mx.array, kv: KVPool, meta: MLXMeta) -> mx.array:
         be = self.backend
-        if self.stack is not None and h.shape[0] <= MAX_COMPILED_ROWS:
+        rows = h.shape[0]
+        if self.stack is not None and rows <= MAX_COMPILED_ROWS and meta.attention.batch.num_seqs == rows:
             a = meta.attention
             return self.stack(h, meta.positions, meta.slots, a.row_seq, a.row_len, a.block_tables, *kv.k, *kv.v)
         parts = self.compiled if h.shape[0] <= MAX_COMPILED_ROWS else self.plain
