@@ -64,7 +64,7 @@ class CompiledBlocks:
         if self.stack is not None and rows <= MAX_COMPILED_ROWS and meta.attention.batch.num_seqs == rows:
             a = meta.attention
             return self.stack(h, meta.positions, meta.slots, a.row_seq, a.row_len, a.block_tables, *kv.k, *kv.v)
-        parts = self.compiled if h.shape[0] <= MAX_COMPILED_ROWS else self.plain
+        parts = self.compiled if rows <= MAX_COMPILED_ROWS else self.plain
         metas = [meta, *(be.with_rope(meta, rope) for rope in self.ropes[1:])]
         for i, layer in enumerate(self.layers):
             before, after = parts[i]
@@ -81,8 +81,9 @@ class CompiledBlocks:
     def _stack(self, h: mx.array, positions: mx.array, slots: mx.array, row_seq: mx.array, row_len: mx.array,
                block_tables: mx.array, *pools: mx.array) -> mx.array:
         """Every layer, K/V written in place (pools: each layer's K, then each layer's V). Traced once per shape, so
-        the attention's partitions are sized for the block tables' width (a shape: prepare_kernel pads it to a power
-        of two, so widths repeat) rather than for the longest context (a value, which a trace would keep)."""
+        the attention's partitions are sized for the block tables' width (a shape: prepare_kernel pads it to 64 blocks
+        or the next power of two, so widths repeat) rather than for the longest context (a value, which a trace
+        would keep)."""
         be, n = self.backend, len(self.layers)
         block_size = pools[0].shape[1]
         attention = KernelMeta(row_seq, row_len, block_tables, block_size, block_tables.shape[1] * block_size)
