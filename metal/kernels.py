@@ -38,7 +38,9 @@ from edgeserve.metal.reference import ReferenceMeta, prepare_reference, referenc
 # Enough threadgroups to keep every core of a large GPU busy; partitions are cut to reach it.
 TARGET_THREADGROUPS = 512
 MIN_PARTITION, MAX_PARTITION = 64, 1024
-MIN_TABLE_WIDTH = 64  # blocks: 1,024 tokens of 16-token blocks
+# blocks (256 tokens of 16-token blocks): wider, the step's partitions, sized for the width, grow past what short
+# contexts need
+MIN_TABLE_WIDTH = 16
 
 
 @dataclass

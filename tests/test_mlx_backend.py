@@ -172,7 +172,7 @@ def test_kv_dtype_choices(mlx_on_cpu, monkeypatch):
 def test_one_compiled_call_for_every_layer_gives_the_layer_by_layer_step(tmp_path):
     """On CUDA a decode step runs every layer as one compiled call (K/V written in place, the attention's
     partitions sized for the padded block tables): its hidden states and the K/V it writes are those of the same
-    step run layer by layer, for contexts in two block-table widths (up to 1,024 tokens, and past it)."""
+    step run layer by layer, for contexts in three block-table widths (16, 64 and 128 blocks)."""
     from conftest import tiny_model_from
     from edgeserve.backends.kv_pool import KVPool
     from edgeserve.batch import random_paged_batch

@@ -81,7 +81,7 @@ class CompiledBlocks:
     def _stack(self, h: mx.array, positions: mx.array, slots: mx.array, row_seq: mx.array, row_len: mx.array,
                block_tables: mx.array, *pools: mx.array) -> mx.array:
         """Every layer, K/V written in place (pools: each layer's K, then each layer's V). Traced once per shape, so
-        the attention's partitions are sized for the block tables' width (a shape: prepare_kernel pads it to 64 blocks
+        the attention's partitions are sized for the block tables' width (a shape: prepare_kernel pads it to 16 blocks
         or the next power of two, so widths repeat) rather than for the longest context (a value, which a trace
         would keep)."""
         be, n = self.backend, len(self.layers)
