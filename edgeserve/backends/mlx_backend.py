@@ -23,7 +23,7 @@ from edgeserve.backends.mlx_blocks import CompiledBlocks, rope_rows
 from edgeserve.batch import Batch, SamplingRows
 from edgeserve.errors import EdgeserveError
 from edgeserve.metal import select_attention
-from edgeserve.metal.kernels import kernel_paged_attention, upload_ints, write_in_place
+from edgeserve.metal.kernels import upload_ints
 from edgeserve.metal.launch_limits import kernel_supports
 from edgeserve.quant.affine import QuantizedTensor
 from edgeserve.quant.kquants import KQuantTensor
@@ -107,8 +107,8 @@ class MLXBackend:
                                  "pool would hold the same values in twice the memory; use float16 or int8")
         self.attention = select_attention()
         self.group = group
-        # how the models on this backend (a draft model's too) write their K/V: "in place" (`write_in_place`) or
-        # "scatter" (MLX's, which copies a pool that a step in flight still reads)
+        # how the models on this backend (a draft model's too) write their K/V: "in place"
+        # (`metal.kernels.write_in_place`) or "scatter" (MLX's, which copies a pool that a step in flight still reads)
         self._kv_writes: set[str] = set()
         self._written: list[mx.array] = []  # this step's pool arrays, evaluated with its logits
 
@@ -265,12 +265,6 @@ class MLXBackend:
         self._written.append(cache)
         return cache
 
-    def write_in_place(self, k_cache: mx.array, v_cache: mx.array, k: mx.array, v: mx.array, meta: MLXMeta
-                       ) -> mx.array:
-        """One layer's K and V rows written at the step's slots through the pools' pointers (on CUDA: see
-        `metal.kernels.write_in_place`); returns what the layer's attention must run after."""
-        return write_in_place(k_cache, v_cache, self.pool_rows(k_cache, k), self.pool_rows(v_cache, v), meta.slots)
-
     @staticmethod
     def pool_rows(cache: mx.array, values: mx.array) -> mx.array:
         """Heads as the pool holds them."""
@@ -319,12 +313,6 @@ class MLXBackend:
     def paged_attention(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: MLXMeta,
                         window: int | None = None) -> mx.array:
         return self.attention.run(q, k_cache, v_cache, meta.attention, window)
-
-    def paged_attention_after(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: MLXMeta,
-                              after: mx.array) -> mx.array:
-        """The CUDA kernel's attention over K/V that `write_in_place` wrote; after: its result, which the kernel
-        waits for."""
-        return kernel_paged_attention(q, k_cache, v_cache, meta.attention, "cuda", after)
 
 
 def store_int8(values: mx.array) -> mx.array:

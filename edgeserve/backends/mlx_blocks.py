@@ -44,7 +44,7 @@ class CompiledBlocks:
     """Every decoder block of a step: `blocks(h, kv, meta)` returns the residual stream after the last."""
 
     def __init__(self, backend: MLXBackend, layers: list[Any], eps: float, ropes: list[mx.array], in_place: bool):
-        """in_place: write each layer's K/V with `MLXBackend.write_in_place` (its attention then waits for it)."""
+        """in_place: write each layer's K/V through the pools' pointers (`_attend_in_place`)."""
         self.backend = backend
         self.in_place = in_place
         self.layers = layers
@@ -71,7 +71,7 @@ class CompiledBlocks:
             m = metas[layer.attention.rope]
             q, k, v = before(h, m.positions, m.freqs)
             if self.in_place:
-                o = be.paged_attention_after(q, kv.k[i], kv.v[i], m, be.write_in_place(kv.k[i], kv.v[i], k, v, m))
+                o = self._attend_in_place(q, k, v, kv.k[i], kv.v[i], m.slots, m.attention)
             else:
                 kv.write(i, k, v, m)
                 o = be.paged_attention(q, kv.k[i], kv.v[i], m, layer.attention.window)
@@ -84,16 +84,23 @@ class CompiledBlocks:
         the attention's partitions are sized for the block tables' width (a shape: prepare_kernel pads it to 16 blocks
         or the next power of two, so widths repeat) rather than for the longest context (a value, which a trace
         would keep)."""
-        be, n = self.backend, len(self.layers)
+        n = len(self.layers)
         block_size = pools[0].shape[1]
         attention = KernelMeta(row_seq, row_len, block_tables, block_size, block_tables.shape[1] * block_size)
         for i, layer in enumerate(self.layers):
             before, after = self.plain[i]
             k_pool, v_pool = pools[i], pools[n + i]
             q, k, v = before(h, positions, self.ropes[layer.attention.rope])
-            written = write_in_place(k_pool, v_pool, be.pool_rows(k_pool, k), be.pool_rows(v_pool, v), slots)
-            h = after(h, kernel_paged_attention(q, k_pool, v_pool, attention, "cuda", written))
+            h = after(h, self._attend_in_place(q, k, v, k_pool, v_pool, slots, attention))
         return h
+
+    def _attend_in_place(self, q: mx.array, k: mx.array, v: mx.array, k_pool: mx.array, v_pool: mx.array,
+                         slots: mx.array, attention: KernelMeta) -> mx.array:
+        """A layer's K and V written at slots through the pools' pointers (CUDA), then its attention, the CUDA
+        kernel, which takes the write's result as an input and so runs after it."""
+        be = self.backend
+        written = write_in_place(k_pool, v_pool, be.pool_rows(k_pool, k), be.pool_rows(v_pool, v), slots)
+        return kernel_paged_attention(q, k_pool, v_pool, attention, "cuda", written)
 
     def _before_write(self, layer: Any) -> Callable[[mx.array, mx.array, mx.array], tuple[mx.array, ...]]:
         """(h, positions, RoPE wavelengths) -> this layer's q, k, v [T, heads, head_dim]."""
