@@ -6,11 +6,13 @@ import os
 import subprocess
 import sys
 
+import gguf
 import numpy as np
 import pytest
 
 from edgeserve.backends import qmatmul as qm
 from edgeserve.quant.affine import QuantizedTensor, quantize
+from edgeserve.quant.gguf_blocks import _AFFINE_MAPPERS
 
 ROWS = (1, 3, 16, 64, 300)
 
@@ -140,6 +142,41 @@ def test_storage_stays_quantized():
     stored = t.weight.nbytes + t.scales.nbytes + t.biases.nbytes
     assert m.nbytes == stored  # 960 is a whole number of panels: no padding
     assert m.shape == (960, 576)
+
+
+@pytest.mark.parametrize("qtype, center", [("Q4_0", 8), ("Q5_0", 16), ("Q8_0", 128)])
+def test_symmetric_groups_keep_no_biases(qtype, center):
+    """GGUF Q4_0 / Q5_0 / Q8_0 (bias = -center * scale) hold no biases, and every path forms them
+    from the scales to the same bits as the stored biases give."""
+    rng = np.random.default_rng(center)
+    qtype = gguf.GGMLQuantizationType[qtype]
+    w = rng.standard_normal((70, 256)).astype(np.float32) * 0.05
+    t = _AFFINE_MAPPERS[qtype](gguf.quants.quantize(w, qtype).reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1]), w.shape)
+    m = qm.prepare([t])
+    (s,) = m.segments
+    assert s.biases is None and s.center == center
+    assert m.nbytes == s.packed.nbytes + s.scales.nbytes
+    ids = np.array([0, 69, 17, 33])
+    np.testing.assert_array_equal(qm.qembed(m, ids), t.dequantize()[ids])
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    _check(qm.qmatmul(x, m, impl="numba"), x, t.dequantize(), "numba", 32)
+    if qm._ext is None:
+        return
+    before = qm.get_activations()
+    try:
+        for isa in ISAS:
+            qm._ext.set_isa(isa)
+            for mode in ("int8", "int16"):
+                qm.set_activations(mode)
+                for rows in (1, 5, 70):
+                    xr = rng.standard_normal((rows, 256)).astype(np.float32)
+                    stored = np.empty((rows, 70), np.float32)
+                    head, tail = s.c_args()
+                    qm._ext.gemm(xr, head[0], head[1], s.bias_array(), stored, *tail)
+                    np.testing.assert_array_equal(qm.qmatmul(xr, m), stored, err_msg=f"{isa} {mode} {rows} rows")
+    finally:
+        qm.set_activations(before)
+        qm._ext.set_isa(None)
 
 
 @pytest.mark.skipif(qm._ext is None, reason="C extension not built")

@@ -5,8 +5,9 @@ once, at load time, into panels of 16 output columns. A panel's weights are uint
 [K / (32 / bits), 16]: word (k-chunk, column) holds that column's weights of 32 / bits
 consecutive k, ordered so that `(word >> shift) & mask` yields two weights of adjacent k as the
 low and high int16 halves of each 32-bit lane (see `_NIBBLE_ORDER`). Scales and biases become
-[panels, K / group, 16] in float16 (float32 where a value has no exact float16). Resident bytes
-equal the quantized storage, plus at most 15 padding columns per matrix.
+[panels, K / group, 16] in float16 (float32 where a value has no exact float16); symmetric groups
+(GGUF Q4_0, Q5_0, Q8_0: bias = -center * scale) keep no biases, the kernels form them from the
+scales. Resident bytes equal the quantized storage, plus at most 15 padding columns per matrix.
 
 Kernel. Each row of x is quantized per weight group to integers, with its float sum kept, so that
 a group contributes s * d_x * sum(q * x_q) + b * sum(x); with int8 on the AVX2 path, K-quants take
@@ -62,7 +63,7 @@ except ImportError:
 PANEL = 16
 # Bumped whenever `prepare`'s output changes (word order, planes, scale layout): a cache of packed
 # panels keyed on it is never read back by kernels that expect another layout.
-PANEL_LAYOUT_VERSION = 1
+PANEL_LAYOUT_VERSION = 2
 _activations = DEFAULT_ACTIVATIONS
 # Element (within a word's k-chunk) stored at each nibble / byte of the word: pairs of adjacent k
 # land in the two int16 halves of the lane after one shift and mask.
@@ -87,14 +88,15 @@ class _Segment:
     group: int = 0
     packed: np.ndarray | None = None  # uint32 [panels, K * bits / 32, 16]
     scales: np.ndarray | None = None  # float16 or float32 [panels, K / group, 16]
-    biases: np.ndarray | None = None
+    biases: np.ndarray | None = None  # None for symmetric groups: -center * scales
     wt: np.ndarray | None = None  # float32 [K, stop - start]
     # K-quants: scales and biases above are d and dmin per super-block
     hbits: int = 0
     hi: np.ndarray | None = None  # uint32 [panels, K * hbits / 32, 16]
     ksc: np.ndarray | None = None  # int8 [panels, K / group, 16]
     km: np.ndarray | None = None  # int8 like ksc; ksc itself for Q6_K
-    center: int = 0  # Q6_K: values are (d * sc) * (q - 32), which `_rows` computes in that order
+    # symmetric groups: bias = -center * scale; Q6_K: values are (d * sc) * (q - 32), which `_rows` computes in that order
+    center: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -107,7 +109,13 @@ class _Segment:
         tail = (self.stop - self.start, self.bits, self.group, self.scales.dtype == np.float16)
         if self.ksc is not None:
             tail += (self.hi, self.hbits, self.ksc, self.km)
-        return (self.packed, self.scales, self.biases), tail
+        return (self.packed, self.scales, float(self.center) if self.biases is None else self.biases), tail
+
+    def bias_array(self) -> np.ndarray:
+        """The biases [panels, K / group, 16] of an affine segment, formed from the scales for symmetric groups."""
+        if self.biases is not None:
+            return self.biases
+        return (np.float32(-self.center) * self.scales.astype(np.float32)).astype(self.scales.dtype)
 
 
 class QMatrix:
@@ -158,7 +166,8 @@ def prepare(parts: list[Weight]) -> QMatrix:
 
 
 def quantized_nbytes(w: QuantizedTensor | KQuantTensor) -> int:
-    """Bytes `prepare` holds for one quantized weight, panel padding aside."""
+    """Bytes `prepare` holds for one quantized weight at most, panel padding aside (symmetric groups
+    hold no biases)."""
     if isinstance(w, QuantizedTensor):
         return w.weight.nbytes + w.scales.nbytes + w.biases.nbytes
     rows, cols = w.shape
@@ -282,7 +291,9 @@ def _pack(parts: list[Weight], start: int, stop: int) -> _Segment:
         q[row : row + p.shape[0]] = unpack(p.weight, p.bits)
         row += p.shape[0]
     packed = _panel_words(q, bits, panels)
-    return _Segment(start, stop, bits, group, packed, *_panel_scales(scales, biases, panels))
+    scales, biases = _panel_scales(scales, biases, panels)
+    center = _center(scales, biases, bits)
+    return _Segment(start, stop, bits, group, packed, scales, None if center else biases, center=center)
 
 
 def _pack_kquants(parts: list[KQuantTensor], start: int, stop: int) -> _Segment:
@@ -369,6 +380,16 @@ def _panel_scales(scales: list[np.ndarray], biases: list[np.ndarray], panels: in
     return out[0], out[1]
 
 
+def _center(scales: np.ndarray, biases: np.ndarray, bits: int) -> int:
+    """c where every bias is -c * its scale exactly in float32 (GGUF Q4_0: 8; Q8_0: 128; Q5_0 widened to
+    8 bits: 16), else 0."""
+    s, b = scales.astype(np.float32), biases.astype(np.float32)
+    for c in (8,) if bits == 4 else (128, 16):
+        if np.array_equal(b, np.float32(-c) * s):
+            return c
+    return 0
+
+
 def _rows(s: _Segment, rows: np.ndarray) -> np.ndarray:
     """Rows of one segment as float32 [len(rows), K]."""
     if not s.bits:
@@ -380,7 +401,10 @@ def _rows(s: _Segment, rows: np.ndarray) -> np.ndarray:
         return _kquant_rows(s, panel, lane, q.reshape(len(rows), -1))
     q = q.reshape(len(rows), -1, s.group).astype(np.float32)
     scale = s.scales[panel, :, lane].astype(np.float32)[:, :, None]
-    bias = s.biases[panel, :, lane].astype(np.float32)[:, :, None]
+    if s.biases is None:
+        bias = np.float32(-s.center) * scale
+    else:
+        bias = s.biases[panel, :, lane].astype(np.float32)[:, :, None]
     return (q * scale + bias).reshape(len(rows), -1)
 
 
@@ -409,8 +433,9 @@ def _kquant_rows(s: _Segment, panel: np.ndarray, lane: np.ndarray, low: np.ndarr
 def _numba_gemm(x: np.ndarray, s: _Segment, out: np.ndarray) -> None:
     # numba has no float16: such scales travel as their bit patterns, decoded through a table
     half = s.scales.dtype == np.float16
-    h_s, h_b = (s.scales.view(np.uint16), s.biases.view(np.uint16)) if half else (_NO_HALF, _NO_HALF)
-    f_s, f_b = (_NO_FLOAT, _NO_FLOAT) if half else (s.scales, s.biases)
+    biases = s.bias_array()
+    h_s, h_b = (s.scales.view(np.uint16), biases.view(np.uint16)) if half else (_NO_HALF, _NO_HALF)
+    f_s, f_b = (_NO_FLOAT, _NO_FLOAT) if half else (s.scales, biases)
     _gemm(x, s.packed, h_s, h_b, f_s, f_b, half, _HALF_TABLE, out, s.stop - s.start, s.group, s.bits, _SHIFTS[s.bits])
 
 
