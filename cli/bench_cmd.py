@@ -118,7 +118,8 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
     # each workload on a fresh engine, so none starts with another's prefix cache
     # the draft model loaded once, for every engine
     draft = load_model(config.draft_model) if config.draft_model else None
-    config = dataclasses.replace(config, max_num_seqs=max_batch, draft_model=None)
+    # each figure from what its own run measures, not from what earlier runs taught
+    config = dataclasses.replace(config, max_num_seqs=max_batch, draft_model=None, remember_step_costs=False)
     backend = LLMEngine(loaded, config, draft).backend
     results["backend"], results["runs_on"] = backend.name, backend.describe()
     print(f"{loaded.source.name} on {results['runs_on']}", file=sys.stderr)

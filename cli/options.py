@@ -59,7 +59,8 @@ def model_options(run: Callable | None = None, *, ctx_default: str = "the model'
         config = EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory, kv_dtype=kv_dtype, threads=threads,
                               max_model_len=ctx_size, activations=activations, speculative=speculative,
                               draft_model=draft_model, prefix_cache_ram=prefix_cache_ram,
-                              prefix_cache_disk=prefix_cache_disk, distributed=distributed)
+                              prefix_cache_disk=prefix_cache_disk, distributed=distributed,
+                              remember_step_costs=generates)
         config.prefix_cache_bytes()  # a bad size fails before anything loads
         return run(*args, config=config, **kwargs)
 

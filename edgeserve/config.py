@@ -30,6 +30,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # map the whole KV pool's memory in at start, in the background (the server's: a long life, many new blocks)
     populate_kv: bool = False
+    # start speculative decoding's "auto" from the step times an earlier engine of this model, draft model and
+    # backend measured on this machine, and keep this one's when it closes (engine/cost_memory.py; the commands')
+    remember_step_costs: bool = False
     static_batching: bool = False  # fixed padded batches, only to measure continuous batching against
     max_model_len: int | None = None  # context limit; None: the model's own
     threads: int | None = None  # CPU threads for the NumPy backend's kernels; None: every core

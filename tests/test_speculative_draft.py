@@ -8,6 +8,7 @@ distribution near the target's but not it, so guesses are both accepted and reje
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from test_speculative import GREEDY, make_engine, repetitive_prompts, run, train
 
 from edgeserve.cli.main import cli
 from edgeserve.config import EngineConfig
+from edgeserve.engine import cost_memory
 from edgeserve.engine.block_manager import blocks_for
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.engine.prompts import Prompts
@@ -188,6 +190,35 @@ def test_greedy_is_unchanged_and_the_draft_pool_follows(tiny_model):
             assert 0 < st.accepted_draft_tokens < st.draft_tokens
 
 
+def test_the_next_engine_starts_from_the_step_times_and_guess_time_this_one_measured(tiny_model):
+    """A fresh engine's "auto" must time steps before it can judge a draft; with remember_step_costs the engine
+    saves what it measured when it closes, and the next one of the same model, draft model and backend starts
+    from it (an engine not asked to remember, or finding a damaged file, starts from nothing)."""
+    draft = nearby(tiny_model, noise=0.5)
+    first = draft_engine(tiny_model, draft, "draft", remember_step_costs=True)
+    saved = cost_memory.cost_dir() / f"{first._cost_key}.json"
+    saved.unlink(missing_ok=True)
+    assert first.speculator.cost.times(1, 2) is None and first.drafter.seconds_per_guess is None
+    requests = {f"r{i}": (p, GREEDY) for i, p in enumerate(repetitive_prompts(tiny_model.tokenizer, 3))}
+    run_drafting(first, requests)
+    learned = first.speculator.cost.medians()
+    guess = first.drafter.seconds_per_guess
+    assert learned and guess > 0
+    first.close()
+    assert saved.exists()
+    second = draft_engine(tiny_model, draft, "auto", remember_step_costs=True)
+    assert second.speculator.cost.samples() == first.speculator.cost.samples()
+    assert second.drafter.seconds_per_guess == guess
+    assert all(second.speculator.cost.times(n, 0) == [t] for n, t in learned.items())  # before its first step
+    plain = draft_engine(tiny_model, draft, "auto")
+    assert plain.speculator.cost.samples() == [] and plain.drafter.seconds_per_guess is None
+    saved.write_text("{not json")
+    damaged = draft_engine(tiny_model, draft, "auto", remember_step_costs=True)
+    assert damaged.speculator.cost.samples() == [] and damaged.drafter.seconds_per_guess is None
+    for engine in (second, plain, damaged):
+        engine.close()
+
+
 def test_mlx_greedy_is_unchanged_by_prompt_lookup_and_a_draft_model(tiny_model, mlx_on_cpu):
     """The MLX backend checks drafts in its batched step too: six streams at once, greedy, the same tokens with
     prompt lookup, a draft model and auto as without speculation, guesses both accepted and rejected."""
@@ -283,11 +314,15 @@ def test_run_with_a_draft_model_and_a_mismatched_one(model_path):
     common = ["run", "--model", str(model_path), "--backend", "numpy", "--kv-memory", "64MiB", "--temp", "0",
               "-n", "12", "--json", "Name three colours."]
     plain = CliRunner().invoke(cli, common)
+    shutil.rmtree(cost_memory.cost_dir(), ignore_errors=True)
     drafted = CliRunner().invoke(cli, [*common, "--draft-model", str(model_path), "--speculative", "draft"])
     assert drafted.exit_code == 0, drafted.output
     out = json.loads(drafted.stdout)
     assert out["text"] == json.loads(plain.stdout)["text"]
     assert out["draft_tokens"] > 0 and out["draft_acceptance_rate"] == 1.0
+    # what the run measured is kept for the next one
+    (saved,) = [json.loads(p.read_text()) for p in cost_memory.cost_dir().glob("*.json")]
+    assert saved["steps"] and saved["seconds_per_guess"] > 0
     wrong = CliRunner().invoke(cli, [*common, "--draft-model", "gemma3-270m"])  # Gemma 3's tokenizer
     assert wrong.exit_code == 1 and "another vocabulary" in wrong.stderr and "Traceback" not in wrong.output
     usage = CliRunner().invoke(cli, [*common, "--speculative", "draft"])

@@ -15,6 +15,7 @@ import numpy as np
 from edgeserve.backends import get_backend
 from edgeserve.batch import SamplingRows
 from edgeserve.config import EngineConfig
+from edgeserve.engine import cost_memory
 from edgeserve.engine.block_manager import BlockManager, blocks_for
 from edgeserve.engine.constraints import Constraints
 from edgeserve.engine.drafter import DRAFT_KV_SHARE, DraftModel, check_vocabulary
@@ -164,6 +165,12 @@ class LLMEngine:
                                           self.prefix_store)
         self.drafter = self._load_drafter(draft)
         self.speculator = Speculator(config.speculative, drafter=self.drafter)
+        self._cost_key = None
+        if config.remember_step_costs and not config.distributed:
+            draft = None if self.drafter is None else self.drafter.model.source
+            self._cost_key = cost_memory.cost_key(model.source, draft, self.backend.describe())
+            if (learned := cost_memory.load(self._cost_key)) is not None:
+                self.speculator.remember(learned)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.static_batching, self.speculator.propose,
                                    on_free=self.drafter.release if self.drafter is not None else None)
@@ -224,7 +231,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Keep the pool's prefixes in the prefix store's disk tier and finish its writes (an engine stopping:
-        the next one starts from them), then let go of the other ranks of a split model."""
+        the next one starts from them), and the step times speculation measured where the config says so, then let
+        go of the other ranks of a split model."""
         store = self.prefix_store
         if store is not None and store.disk_limit > 0:
             self._move_tiers()
@@ -236,6 +244,8 @@ class LLMEngine:
                     store.save(h, key, data)
         if store is not None:
             store.close()
+        if self._cost_key is not None and (learned := self.speculator.learned())["steps"]:
+            cost_memory.save(self._cost_key, learned)
         self.runner.close()
 
     @property

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -92,24 +92,40 @@ class StepCost:
         self._samples.append((rows, seconds))
         self._medians = None
 
-    def times(self, rows: int, most: int) -> list[float] | None:
-        """Estimated seconds of a step of rows, rows + 1, ..., rows + most rows; None until they can be told."""
+    def medians(self) -> dict[int, float]:
+        """The median step time of each row count with enough recent steps to trust it."""
         if self._medians is None:
             by_rows: dict[int, list[float]] = {}
             for n, t in self._samples:
                 by_rows.setdefault(n, []).append(t)
             self._medians = {n: float(np.median(ts)) for n, ts in by_rows.items() if len(ts) >= MIN_SAMPLES}
+        return self._medians
+
+    def samples(self) -> list[tuple[int, float]]:
+        """The recent steps' (rows, seconds), oldest first."""
+        return list(self._samples)
+
+    def seed(self, samples: list[tuple[int, float]]) -> None:
+        """Start from the steps earlier runs timed (engine/cost_memory.py), as if this run had timed them: its own
+        steps outvote them and push them out of the window in time, and a run too short to time enough steps of any
+        row count still adds to what the next one knows."""
+        for rows, seconds in samples:
+            self.observe(rows, seconds)
+
+    def times(self, rows: int, most: int) -> list[float] | None:
+        """Estimated seconds of a step of rows, rows + 1, ..., rows + most rows; None until they can be told."""
+        medians = self.medians()
         # a long prefill chunk runs in another regime: only row counts near those asked about
-        near = [(n, t) for n, t in self._medians.items() if max(2, rows // 2) <= n <= 2 * (rows + most)]
-        if len(near) == 1 and 1 in self._medians:
-            near.append((1, self._medians[1]))
+        near = [(n, t) for n, t in medians.items() if max(2, rows // 2) <= n <= 2 * (rows + most)]
+        if len(near) == 1 and 1 in medians:
+            near.append((1, medians[1]))
         line = None
         if len(near) >= 2:
             c, t = np.array(near).T
             # noise can tilt the line down: rows are then taken as free, which drafting tests again soon enough
             b = max(0.0, float(np.cov(c, t, bias=True)[0, 1] / np.var(c)))
             line = (float(t.mean() - b * c.mean()), b)
-        out = [self._medians.get(n, line[0] + line[1] * n if line and n > 1 else None)
+        out = [medians.get(n, line[0] + line[1] * n if line and n > 1 else None)
                for n in range(rows, rows + most + 1)]
         return None if None in out else out  # type: ignore[return-value]
 
@@ -204,6 +220,23 @@ class Speculator:
             long_try = drafter == "model" and state.checks % 2 == 1
             return most if long_try else min(EXPLORE_DRAFT, most), -1.0
         return k, rate
+
+    def learned(self) -> dict[str, Any]:
+        """What this run measured of the machine, to start a later one from (engine/cost_memory.py)."""
+        guess = None if self.drafter is None else self.drafter.seconds_per_guess
+        return {"steps": self.cost.samples(), "seconds_per_guess": guess}
+
+    def remember(self, data: dict[str, Any]) -> None:
+        """Start from what earlier runs measured (`learned`); a file of another shape is ignored."""
+        try:
+            steps = [(int(n), float(t)) for n, t in data.get("steps", [])]
+            guess = data.get("seconds_per_guess")
+            guess = None if guess is None else float(guess)
+        except (AttributeError, TypeError, ValueError):
+            return
+        self.cost.seed([(n, t) for n, t in steps if n > 0 and 0 < t < float("inf")])
+        if self.drafter is not None and guess is not None and 0 < guess < float("inf") and self.drafter.seconds_per_guess is None:
+            self.drafter.seconds_per_guess = guess
 
     def observe(self, rows: int, seconds: float) -> None:
         """Record a step's model time and its query rows."""
