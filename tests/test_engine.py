@@ -363,3 +363,18 @@ def test_async_engine_outlives_a_caller_whose_event_loop_closed(tiny_model, prom
         assert len(asyncio.run(asyncio.wait_for(answer(), 60))) == GREEDY.max_tokens  # still serving
     finally:
         aengine.shutdown()
+
+
+def test_tokens_per_second_counts_the_steps_of_the_last_five_seconds(tiny_model, monkeypatch):
+    """The rate over the window's steps after its first, the window kept as steps come (not filtered at each)."""
+    from edgeserve.engine import llm_engine
+
+    engine = make_engine(tiny_model)
+    now = [0.0]
+    monkeypatch.setattr(llm_engine.time, "perf_counter", lambda: now[0])
+    for t, tokens in ((0.0, 4), (1.0, 4), (2.0, 4), (6.5, 8)):
+        now[0] = t
+        engine._count_outputs(tokens)
+    assert [t for t, _ in engine._recent] == [2.0, 6.5]  # the steps at 0 and 1 left the window
+    assert engine.stats().tokens_per_second == pytest.approx(8 / 4.5)
+    assert engine.stats().output_tokens == 20
