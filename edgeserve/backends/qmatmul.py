@@ -95,7 +95,8 @@ class _Segment:
     hi: np.ndarray | None = None  # uint32 [panels, K * hbits / 32, 16]
     ksc: np.ndarray | None = None  # int8 [panels, K / group, 16]
     km: np.ndarray | None = None  # int8 like ksc; ksc itself for Q6_K
-    # symmetric groups: bias = -center * scale; Q6_K: values are (d * sc) * (q - 32), which `_rows` computes in that order
+    # symmetric groups: bias = -center * scale; Q6_K: values are (d * sc) * (q - 32), which `_rows` computes in
+    # that order
     center: int = 0
 
     @property

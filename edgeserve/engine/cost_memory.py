@@ -3,9 +3,9 @@
 A fresh engine knows neither what a step of n query rows costs here nor how long its draft model takes per guess,
 so "auto" tries drafts every other step until it has timed enough steps (speculative.StepCost): the first short
 answers after a start pay for the lesson. When the engine closes, what it learned is saved under
-$EDGESERVE_HOME/step-costs, one small JSON file per model (its files' path, size and time), draft model, backend (its kernels,
-activations and threads) and CPU, and the next engine with all of those the same starts from it; its own steps
-replace the remembered ones as they come.
+$EDGESERVE_HOME/step-costs, one small JSON file per model (its files' path, size and time), draft model, backend
+(its kernels, activations and threads) and CPU, and the next engine with all of those the same starts from it; its
+own steps replace the remembered ones as they come.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.models.loader import LoadedModel, load_model, model_fingerprint
 from edgeserve.sampling_params import InvalidParamsError, SamplingDefaults, SamplingParams
 
-# An embedding from a prompt's final hidden states [tokens, hidden], by the model's pooling (LoadedModel.pooling)
 RATE_WINDOW = 5.0  # seconds of recent steps the stats' tokens per second are measured over
+# An embedding from a prompt's final hidden states [tokens, hidden], by the model's pooling (LoadedModel.pooling)
 POOLING = {"mean": lambda rows: rows.mean(axis=0), "cls": lambda rows: rows[0], "last": lambda rows: rows[-1]}
 
 

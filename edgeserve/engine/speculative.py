@@ -235,8 +235,9 @@ class Speculator:
         except (AttributeError, TypeError, ValueError):
             return
         self.cost.seed([(n, t) for n, t in steps if n > 0 and 0 < t < float("inf")])
-        if self.drafter is not None and guess is not None and 0 < guess < float("inf") and self.drafter.seconds_per_guess is None:
-            self.drafter.seconds_per_guess = guess
+        drafter = self.drafter
+        if drafter is not None and drafter.seconds_per_guess is None and guess is not None and 0 < guess < float("inf"):
+            drafter.seconds_per_guess = guess
 
     def observe(self, rows: int, seconds: float) -> None:
         """Record a step's model time and its query rows."""
