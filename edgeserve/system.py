@@ -1,5 +1,6 @@
 """Facts about the machine the runtime sizes itself by, and where it keeps its files."""
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -21,3 +22,16 @@ def available_memory_bytes() -> int:
 def home() -> Path:
     """The edgeserve cache folder (EDGESERVE_HOME, default ~/.cache/edgeserve): models, panels, tools."""
     return Path(os.environ.get("EDGESERVE_HOME", Path.home() / ".cache" / "edgeserve"))
+
+
+def write_text_whole(path: Path, text: str) -> None:
+    """Write text to path whole or not at all (a reader never sees half of it, another process may be reading); a
+    cache file that cannot be written (a read-only home) is left as it was."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import numpy as np
 from edgeserve.errors import ModelLoadError, ModelNotFoundError
 from edgeserve.models.base import ModelArgs, Weights
 from edgeserve.models.catalog import CATALOG, pull, sha256_of
-from edgeserve.system import home
+from edgeserve.system import home, write_text_whole
 from edgeserve.models.registry import architecture, gguf_model_type
 from edgeserve.quant.affine import QuantizedTensor
 from edgeserve.quant.gguf_blocks import gguf_tensor_to_array
@@ -97,21 +96,19 @@ def content_hash(path: Path) -> str:
     # one identity a path: an older version of the file is never asked for again
     memo = {k: v for k, v in memo.items() if k.split("|", 1)[0] != resolved}
     memo[identity] = digest
-    try:
-        memo_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo_path.with_name(f".{memo_path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(memo))
-        os.replace(tmp, memo_path)
-    except OSError:
-        pass  # a read-only home: hashed again at the next start
+    write_text_whole(memo_path, json.dumps(memo))  # unwritable: hashed again at the next start
     return memo[identity]
 
 
+def model_files(source: Path) -> list[Path]:
+    """A model's files: the GGUF file, or every file of its folder (weights, config, tokenizer), in order."""
+    return [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
+
+
 def model_fingerprint(source: Path) -> str:
-    """A digest of a model's files: the GGUF file, or every file of its folder (weights, config, tokenizer)."""
-    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
+    """A digest of a model's files (`model_files`)."""
     h = hashlib.blake2b(digest_size=16)
-    for p in files:
+    for p in model_files(source):
         h.update(f"{'' if p == source else p.relative_to(source)}\0{content_hash(p)}\0".encode())
     return h.hexdigest()
 

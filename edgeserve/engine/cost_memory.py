@@ -10,16 +10,14 @@ own steps replace the remembered ones as they come.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import platform
 from pathlib import Path
 from typing import Any
 
-from edgeserve.models.loader import file_identity
-from edgeserve.system import home
+from edgeserve.models.loader import file_identity, model_files
+from edgeserve.system import home, write_text_whole
 
 
 def cost_dir() -> Path:
@@ -39,10 +37,9 @@ def _cpu_name() -> str:
 
 
 def _identity(source: Path) -> str:
-    """A model file's (or each file of a model folder's) path, size and modification time: what it computes with
-    changes only with them, and hashing gigabytes would slow every first start."""
-    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
-    return "\0".join(file_identity(p) for p in files)
+    """A model's files' paths, sizes and modification times: what it computes with changes only with them, and
+    hashing gigabytes would slow every first start."""
+    return "\0".join(file_identity(p) for p in model_files(source))
 
 
 def cost_key(model: Path, draft: Path | None, backend: str) -> str:
@@ -62,14 +59,6 @@ def load(key: str) -> dict[str, Any] | None:
 
 
 def save(key: str, data: dict[str, Any]) -> None:
-    """Write data under key, whole or not at all (another engine may be reading it); a cache that cannot be
-    written is no reason to fail a shutdown."""
-    path = cost_dir() / f"{key}.json"
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+    """Write data under key (whole: another engine may be reading it; not at all where the home is read-only, which
+    is no reason to fail a shutdown)."""
+    write_text_whole(cost_dir() / f"{key}.json", json.dumps(data))
