@@ -116,13 +116,9 @@ def prompt_rows_case(seed: int, n_kv: int, group: int, head_dim: int, kv_dtype: 
     return q, k, v, tables, np.array([n for _, n in rows], np.int64)
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
-@pytest.mark.parametrize("n_kv,group,head_dim,window", [(3, 3, 64, 0), (2, 4, 128, 0), (1, 16, 64, 0), (2, 2, 64, 300)])
-def test_prompt_rows_give_each_rows_own_bits(isa, threads, kv_dtype, n_kv, group, head_dim, window):
-    """A prompt's rows are run together (their keys copied once for all of them), and each row's output is
-    the bits it gets alone: a prompt answers the same beside other requests, after a prefix hit or when its
-    tokens come one at a time, and a speculative check gives the decode rows' logits."""
-    q, k, v, tables, ctx = prompt_rows_case(head_dim + group, n_kv, group, head_dim, kv_dtype)
+def assert_rows_get_their_bits_alone(q, k, v, tables, ctx, window):
+    """Each row of one attention call has the bits it gets in a call of its own, and numba's answer."""
+    head_dim = q.shape[-1]
     out = np.full_like(q, np.nan)
     assert ext.attention(q, k, v, tables, ctx, out, 1 / np.sqrt(head_dim), window)
     for i in range(len(ctx)):
@@ -131,6 +127,27 @@ def test_prompt_rows_give_each_rows_own_bits(isa, threads, kv_dtype, n_kv, group
         np.testing.assert_array_equal(out[i : i + 1], alone, err_msg=f"row {i}, {ctx[i]} keys")
     want = numba_attention(q, kv_formats.load(k, head_dim), kv_formats.load(v, head_dim), tables, ctx, window)
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("n_kv,group,head_dim,window", [(3, 3, 64, 0), (2, 4, 128, 0), (1, 16, 64, 0), (2, 2, 64, 300)])
+def test_prompt_rows_give_each_rows_own_bits(isa, threads, kv_dtype, n_kv, group, head_dim, window):
+    """A prompt's rows are run together (their keys copied once for all of them), and each row's output is
+    the bits it gets alone: a prompt answers the same beside other requests, after a prefix hit or when its
+    tokens come one at a time, and a speculative check gives the decode rows' logits."""
+    q, k, v, tables, ctx = prompt_rows_case(head_dim + group, n_kv, group, head_dim, kv_dtype)
+    assert_rows_get_their_bits_alone(q, k, v, tables, ctx, window)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("n_kv,group,head_dim,window", [(8, 4, 64, 0), (4, 2, 128, 0), (6, 1, 64, 100)])
+def test_decode_rows_give_each_rows_own_bits(isa, threads, kv_dtype, n_kv, group, head_dim, window):
+    """Many decode rows run their KV heads together, tile by tile (a row alone runs them head by head): each
+    row still gets the bits it gets alone, and numba's answer."""
+    lens = [int(n) for n in np.random.default_rng(n_kv).integers(1, 600, 24)]
+    q, k, v, tables, ctx = attention_case(head_dim + group, 16, n_kv, group, head_dim, lens)
+    k, v = (kv_formats.store(c, kv_dtype) for c in (k, v))
+    assert_rows_get_their_bits_alone(q, k, v, tables, ctx, window)
 
 
 @needs_ext

@@ -14,6 +14,10 @@ row's own length only, a row's result is the same bits whatever else is in the b
 gives the same answer alone, beside other requests, or after a prefix-cache hit). exp is a polynomial (Cephes' expf, ~1 ulp) that vectorizes: libm's expf per
 score costs more than the dot product it follows.
 
+Where a step has many decode rows, a row's item takes several of its KV heads and goes tile by tile
+through all of them (the heads of a key lie side by side in the pool, so it reads whole blocks); each
+head's arithmetic is the same as alone.
+
 A prompt's consecutive rows (and a speculating sequence's guesses) read the same keys: up to ATT_BLOCK of
 them make one item, which first copies its key range's K and V rows, as float32, into its thread's stage,
 contiguous, then runs each row over the copy. A head's keys lie n_kv * head_dim apart in the pool (4 KiB
@@ -62,9 +66,10 @@ typedef struct {
 } AttItem;
 
 /* A work item: rows s..s+nr-1 (consecutive rows of one prompt when nr > 1), KV head kv, query heads
-   h0..h0+nh-1, key range k of each row. */
+   h0..h0+nh-1, key range k of each row; or one row (nr 1) and KV heads kv..kv+nkv-1 with their query
+   heads (nkv > 1: heads that go tile by tile together, see att_rows_avx512). */
 typedef struct {
-    int s, nr, kv, h0, nh, k;
+    int s, nr, kv, h0, nh, k, nkv;
 } AttBlock;
 
 typedef struct {
@@ -234,14 +239,24 @@ INLINE int row_item(const AttTask *t, const AttBlock *b, int s, AttItem *it) {
 /* Item `index`'s rows that have keys in its range, into rows (returns how many: a suffix of the item's rows,
    which are one key longer each); for an item of several rows, their K and V rows of the range (the last row's,
    which holds the others' keys) copied into this thread's stage as float32 (by `convert` from float16 or int8).
-   *sk stays NULL for a one-row item, which reads the pool in place. */
+   *sk stays NULL for a one-row item, which reads the pool in place; one of several KV heads gives a row's
+   share per head, in head order. */
 INLINE int block_rows(const AttTask *t, int index, void (*convert)(const char *, int, int, float *), AttItem *rows,
                       const float **sk, const float **sv, int *st0) {
     const AttBlock *b = &t->items[index];
     int nr = 0;
-    for (int s = b->s; s < b->s + b->nr; s++) nr += row_item(t, b, s, &rows[nr]);
     *sk = *sv = NULL;
     *st0 = 0;
+    if (b->nkv > 1) {
+        for (int j = 0; j < b->nkv; j++) {
+            AttBlock head = *b;
+            head.kv += j;
+            head.h0 += j * (t->H / t->n_kv);
+            nr += row_item(t, &head, b->s, &rows[nr]);
+        }
+        return nr;
+    }
+    for (int s = b->s; s < b->s + b->nr; s++) nr += row_item(t, b, s, &rows[nr]);
     if (b->nr < 2 || nr == 0) return nr;
     const AttItem last = rows[nr - 1];
     float *k = att_stage(t), *v = k + (size_t)ATT_SPLIT * t->hd;
@@ -450,8 +465,8 @@ static AVX2_OPS void kv_head_floats_avx2(const char *src, int kv_type, int hd, f
 INLINE void prefetch_rows(const AttTask *t, const size_t *next, int r0, int r1) {
     for (int r = r0; r < r1; r++)
         for (size_t b = 0; b < t->head_bytes; b += 64) {
-            _mm_prefetch(t->k + next[r] + b, _MM_HINT_T0);
-            _mm_prefetch(t->v + next[r] + b, _MM_HINT_T0);
+            _mm_prefetch(t->k + next[r] + b, _MM_HINT_T1);
+            _mm_prefetch(t->v + next[r] + b, _MM_HINT_T1);
         }
 }
 
@@ -726,44 +741,38 @@ weighted_v_tile512(float (*acc)[ATT_MAX_HD], float (*sc)[ATT_TILE], const float 
     for (; g < nh; g++) att_weighted_v512(acc, sc, alpha, vr, nt, g, 1, HV);
 }
 
-/* One row read from the pool in place (a decode row), head_dim = 16 * HV (HV >= 2; a constant where inlined,
-   so q and the accumulators of a head live in registers). */
-static inline AVX512_TARGET __attribute__((always_inline)) void att_row_avx512(const AttTask *t, const AttItem *it,
-                                                                                const int HV) {
-    const int hd = 16 * HV, nh = it->nh;
-    float acc[ATT_GROUP][ATT_MAX_HD] __attribute__((aligned(64)));
-    float sc[ATT_GROUP][ATT_TILE] __attribute__((aligned(64)));
-    float m[ATT_GROUP], l[ATT_GROUP], alpha[ATT_GROUP];
-    size_t offs[2][ATT_TILE];
+/* One row read from the pool in place (a decode row), head_dim = 16 * HV (HV >= 2; a constant where inlined):
+   its shares its[0..n) of one or more KV heads, tile by tile, every head's tile before the next tile. A key's
+   heads lie side by side in the pool, so the heads of a tile read whole blocks of it, where head after head
+   read 256 bytes of every 2 KiB twice as slow (64 decode rows at 192 keys). Each head's arithmetic is the
+   same whatever the heads beside it. state: ATT_BLOCK_STATE floats, 64-byte aligned. */
+static inline AVX512_TARGET __attribute__((always_inline)) void
+att_rows_avx512(const AttTask *t, const AttItem *its, int n, const int HV, float *state) {
+    const int hd = 16 * HV, nh = its[0].nh;
+    BlockState b;
+    size_t off[ATT_TILE], next[ATT_TILE];
     const float *kr[ATT_TILE], *vr[ATT_TILE];
     float kbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd], vbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd];
-    __m512 qs[ATT_GROUP][ATT_MAX_HD / 16];
-    for (int g = 0; g < nh; g++) {
-        scaled_q512(t, it->s, it->h0 + g, HV, qs[g]);
-        memset(acc[g], 0, sizeof(float) * hd);
-        m[g] = -INFINITY;
-        l[g] = 0.f;
-    }
-    int nt = it->t1 - it->t0 < ATT_TILE ? it->t1 - it->t0 : ATT_TILE;
-    tile_offsets(t, it, it->t0, nt, offs[0]);
-    for (int t0 = it->t0, cur = 0; t0 < it->t1; t0 += ATT_TILE, cur ^= 1) {
-        const size_t *off = offs[cur], *next = offs[cur ^ 1];
-        const int n_next = it->t1 - t0 - nt < ATT_TILE ? it->t1 - t0 - nt : ATT_TILE;
-        if (n_next > 0) tile_offsets(t, it, t0 + nt, n_next, offs[cur ^ 1]);
-        tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats_avx2);
-        for (int g = 0; g < nh; g++) {
-            __m512 q[ATT_MAX_HD / 16];
-            for (int j = 0; j < HV; j++) q[j] = qs[g][j];
-            for (int i = 0; i < nt; i += 4) {
-                if (g == 0) prefetch_rows(t, next, i, i + 4 < n_next ? i + 4 : n_next);
-                scores4_512(q, kr, i, HV, sc[g]);
+    block_start(&b, state, n, nh, hd);
+    for (int t0 = its[0].t0; t0 < its[0].t1; t0 += ATT_TILE) {
+        const int nt = tile_keys(&its[0], t0), n_next = tile_keys(&its[0], t0 + nt);
+        for (int j = 0; j < n; j++) {
+            tile_offsets(t, &its[j], t0, nt, off);
+            if (n_next > 0) tile_offsets(t, &its[j], t0 + nt, n_next, next);
+            tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats_avx2);
+            for (int g = 0; g < nh; g++) {
+                __m512 q[ATT_MAX_HD / 16];
+                scaled_q512(t, its[j].s, its[j].h0 + g, HV, q);
+                for (int i = 0; i < nt; i += 4) {
+                    if (g == 0) prefetch_rows(t, next, i, i + 4 < n_next ? i + 4 : n_next);
+                    scores4_512(q, kr, i, HV, b.sc[j][g]);
+                }
+                b.alpha[j][g] = softmax_tile512(b.sc[j][g], nt, &b.m[j][g], &b.l[j][g]);
             }
-            alpha[g] = softmax_tile512(sc[g], nt, &m[g], &l[g]);
+            weighted_v_tile512(b.acc[j], b.sc[j], b.alpha[j], vr, nt, nh, HV);
         }
-        weighted_v_tile512(acc, sc, alpha, vr, nt, nh, HV);
-        nt = n_next;
     }
-    att_finish(t, it, acc, m, l);
+    for (int j = 0; j < n; j++) att_finish(t, &its[j], b.acc[j], b.m[j], b.l[j]);
 }
 
 /* The rows of a staged item (keys st0.. in sk and sv), tile by tile: each tile's scores for every row and head,
@@ -812,10 +821,11 @@ static AVX512_TARGET void att_item_avx512(const void *ctx, int index) {
     float *state = att_stage(t) + 2 * ATT_SPLIT * (size_t)t->hd;
     if (nr == 0) return;
     if (!sk) {
+        prefetch_next_item(t, index);
         switch (t->hd) {
-        case 64: att_row_avx512(t, rows, 4); break;
-        case 128: att_row_avx512(t, rows, 8); break;
-        default: att_row_avx512(t, rows, t->hd / 16); break;
+        case 64: att_rows_avx512(t, rows, nr, 4, state); break;
+        case 128: att_rows_avx512(t, rows, nr, 8, state); break;
+        default: att_rows_avx512(t, rows, nr, t->hd / 16, state); break;
         }
         return;
     }
@@ -856,11 +866,12 @@ static int run_attention(AttTask *t, const int64_t *lens, int D) {
     t->subs = (group + ATT_GROUP - 1) / ATT_GROUP;
     t->sub = (group + t->subs - 1) / t->subs;
     t->lens = lens;
-    size_t n_items = 0, n_slots = 0;
+    size_t n_items = 0, n_slots = 0, row_ranges = 0;
     if (grow((void **)&g_slot_base, &g_slot_base_cap, (size_t)D + 1, sizeof(int)) < 0) return -1;
     for (int s = 0, nr = 1; s < D; s += nr) {
         for (nr = 1; nr < ATT_BLOCK && s + nr < D && same_prompt(t, lens, s + nr - 1, s + nr); nr++) {}
         n_items += (size_t)att_ranges(t, lens[s + nr - 1]) * t->n_kv * t->subs; /* the block's last row has the most */
+        if (nr == 1) row_ranges += (size_t)att_ranges(t, lens[s]);
         for (int r = s; r < s + nr; r++) {
             const int ns = att_ranges(t, lens[r]);
             g_slot_base[r] = (int)n_slots;
@@ -873,6 +884,13 @@ static int run_attention(AttTask *t, const int64_t *lens, int D) {
         grow((void **)&g_part, &g_part_cap, n_slots * t->slot_floats + 1, sizeof(float)) < 0 ||
         grow((void **)&g_stage, &g_stage_cap, stage, sizeof(float)) < 0)
         return -1;
+    /* A one-row prompt's KV heads go in spans (att_rows_avx512): as wide as leaves each thread four items and
+       keeps a span's tile of K and V within 256 KiB (L2), a divisor of n_kv. */
+    int span = t->subs == 1 ? (t->n_kv < ATT_BLOCK ? t->n_kv : ATT_BLOCK) : 1;
+    for (; span > 1; span--)
+        if (t->n_kv % span == 0 && row_ranges * (size_t)(t->n_kv / span) >= 4 * (size_t)qm_threads() &&
+            2 * ATT_TILE * span * t->head_bytes <= (256 << 10))
+            break;
     size_t n = 0;
     for (int s = 0; s < D; s++)
         if (lens[s] == 0) memset(t->out + (size_t)s * t->H * t->hd, 0, sizeof(float) * t->H * t->hd);
@@ -885,14 +903,16 @@ static int run_attention(AttTask *t, const int64_t *lens, int D) {
     for (int p0 = 0, p1; p0 < D; p0 = p1) {
         for (p1 = p0 + 1; p1 < D && same_prompt(t, lens, p1 - 1, p1); p1++) {}
         const int ranges = att_ranges(t, lens[p1 - 1]); /* the prompt's last row has the most */
+        const int nkv = p1 - p0 == 1 ? span : 1;
         for (int k = 0; k < ranges; k++)
-            for (int kv = 0; kv < t->n_kv; kv++)
+            for (int kv = 0; kv < t->n_kv; kv += nkv)
                 for (int s = p0, nr; s < p1; s += nr) {
                     nr = p1 - s < ATT_BLOCK ? p1 - s : ATT_BLOCK;
                     if (k >= att_ranges(t, lens[s + nr - 1])) continue; /* an earlier block's keys end sooner */
                     for (int h = 0; h < group; h += t->sub)
                         g_items[n++] = (AttBlock){.s = s, .nr = nr, .kv = kv, .h0 = kv * group + h,
-                                                  .nh = group - h < t->sub ? group - h : t->sub, .k = k};
+                                                  .nh = group - h < t->sub ? group - h : t->sub, .k = k,
+                                                  .nkv = nkv};
                 }
     }
     t->items = g_items;
