@@ -122,7 +122,12 @@ def test_concatenated_parts(impl):
         _check(qm.qmatmul(x, m, impl=impl), x, w, impl, 32)
 
 
-def test_qembed():
+@pytest.mark.parametrize("path", ["c", "numba"])
+def test_qembed(path, monkeypatch):
+    """Rows looked up by the C extension and by NumPy (where the extension is absent): the dequantized rows' bits."""
+    if path == "c" and qm._ext is None:
+        pytest.skip("the C extension is not built")
+    monkeypatch.setattr(qm, "_IMPL", path)
     rng = np.random.default_rng(3)
     for bits, scales in ((4, "f16"), (8, "f32"), (4, "bf16")):
         t = _tensor(rng, 50, 64, bits, 32, scales)

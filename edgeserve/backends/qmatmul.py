@@ -204,6 +204,8 @@ def qembed(w: QMatrix | QuantizedTensor | KQuantTensor, ids: np.ndarray) -> np.n
     ids = np.asarray(ids, dtype=np.int64)
     if isinstance(w, (QuantizedTensor, KQuantTensor)):
         return w.take_rows(ids).dequantize(np.float32)
+    if len(w.segments) == 1:  # a token's lookup: each NumPy call here costs more than the row's dequantizing
+        return np.ascontiguousarray(_rows(w.segments[0], ids))
     out = np.empty((len(ids), w.shape[1]), dtype=np.float32)
     for s in w.segments:
         sel = np.flatnonzero((ids >= s.start) & (ids < s.stop))
@@ -395,6 +397,12 @@ def _rows(s: _Segment, rows: np.ndarray) -> np.ndarray:
     """Rows of one segment as float32 [len(rows), K]."""
     if not s.bits:
         return s.wt[:, rows].T
+    if _ext is not None and _IMPL == "c":
+        head, tail = s.c_args()
+        out = np.empty((len(rows), s.packed.shape[1] * (32 // s.bits)), np.float32)
+        _ext.rows(np.ascontiguousarray(rows, np.int64), out, float(s.center) if s.ksc is not None else 0.0,
+                  *head, *tail)
+        return out
     panel, lane = rows // PANEL, rows % PANEL
     words = s.packed[panel, :, lane]  # [n, K / epw]
     q = (words[:, :, None] >> _SHIFTS[s.bits]) & np.uint32((1 << s.bits) - 1)
