@@ -1,6 +1,7 @@
 """Facts about the machine the runtime sizes itself by, and where it keeps its files."""
 
 import contextlib
+import ctypes
 import os
 from pathlib import Path
 
@@ -35,3 +36,13 @@ def write_text_whole(path: Path, text: str) -> None:
     except OSError:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+
+def release_free_memory() -> None:
+    """Hand memory the allocator holds freed back to the system: glibc keeps a heap's freed pages (an unloaded
+    model's arrays among them) until told; a no-op where the C library has no malloc_trim."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)

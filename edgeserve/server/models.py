@@ -25,6 +25,7 @@ from edgeserve.engine.llm_engine import EngineStats
 from edgeserve.models.catalog import CATALOG, names_for_file
 from edgeserve.server.errors import APIError
 from edgeserve.server.served_model import ServedModel
+from edgeserve.system import release_free_memory
 from edgeserve.units import format_size
 
 logger = logging.getLogger("edgeserve.server")
@@ -256,6 +257,7 @@ class ModelPool:
         del model
         gc.unfreeze()  # the engine's objects hold cycles: its weights go back to the system now, not later
         settle_heap()
+        release_free_memory()
         logger.info("unloaded %s (%s)", entry.name, why)
 
     async def _reap_idle(self) -> None:
