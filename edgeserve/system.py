@@ -43,6 +43,6 @@ def release_free_memory() -> None:
     model's arrays among them) until told; a no-op where the C library has no malloc_trim."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows' ctypes loads no library by None
         return
     trim(0)
