@@ -50,6 +50,13 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 USER_HOME_BEFORE = _snapshot(USER_HOME)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """-n auto: a worker a core, at most 4 (each real-model test runs the kernels on every core, and each worker
+    pulls the real models it needs into its own EDGESERVE_HOME)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by mark
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:

@@ -31,7 +31,9 @@ class TmuxScreen:
         # down refused the next one's session
         self.server = f"edgeserve-test-{os.getpid()}-{next(_SCREENS)}-{width}x{height}"
         command = shlex.join([sys.executable, "-c", "from edgeserve.cli.main import cli; cli()", *args])
-        env = {**os.environ, "EDGESERVE_HOME": str(home), "TERM": "xterm-256color", **env}
+        # the pane's size is the terminal's: COLUMNS and LINES (pytest-xdist's workers set 80x24) would override it
+        inherited = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+        env = {**inherited, "EDGESERVE_HOME": str(home), "TERM": "xterm-256color", **env}
         subprocess.run(["tmux", "-L", self.server, "-f", os.devnull, "new-session", "-d", "-s", "main",
                         "-x", str(width), "-y", str(height), f"{command}; echo {EXIT_MARK}$?; sleep 600"],
                        check=True, env=env)
