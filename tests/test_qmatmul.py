@@ -122,6 +122,24 @@ def test_concatenated_parts(impl):
         _check(qm.qmatmul(x, m, impl=impl), x, w, impl, 32)
 
 
+@pytest.mark.skipif(qm._ext is None, reason="the C extension is not built")
+def test_the_c_repacking_gives_numpys_panels(monkeypatch):
+    """prepare reorders 4- and 8-bit words into panels in C where the extension is built: the same words as the
+    NumPy repacking, parts of any row count placed one after another and the last panel padded with zeros."""
+    rng = np.random.default_rng(8)
+    for bits in (4, 8):
+        parts = [_tensor(rng, n, 96, bits, 32, "f16") for n in (19, 16, 5)]
+        fast = qm.prepare(parts).segments[0].packed
+        with monkeypatch.context() as m:
+            m.setattr(qm, "_ext", None)
+            slow = qm.prepare(parts).segments[0].packed
+        assert fast.shape == slow.shape == (3, 96 * bits // 32, 16)
+        np.testing.assert_array_equal(fast, slow)
+        assert fast[-1, :, :8].any() and not fast[-1, :, 8:].any()  # rows 32..39, then padding
+    with pytest.raises(ValueError, match="panel_words"):
+        qm._ext.panel_words(np.zeros((17, 4), np.uint32), np.zeros((1, 4, 16), np.uint32), 4, 0)
+
+
 @pytest.mark.parametrize("path", ["c", "numba"])
 def test_qembed(path, monkeypatch):
     """Rows looked up by the C extension and by NumPy (where the extension is absent): the dequantized rows' bits."""

@@ -1170,6 +1170,7 @@ static int int_format(const Py_buffer *b, Py_ssize_t itemsize, const char *codes
 }
 
 int qm_is_i64(const Py_buffer *b) { return int_format(b, 8, "lq"); }
+int qm_is_u32(const Py_buffer *b) { return int_format(b, 4, "IL"); }
 
 static int c_contiguous(const Py_buffer *b) {
     Py_ssize_t step = b->itemsize;

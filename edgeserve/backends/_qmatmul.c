@@ -1585,6 +1585,54 @@ fail:
     return NULL;
 }
 
+/* A word of MLX's packing (value k0 + i at bits * i) in the kernels' order (see the top of this file): for 4
+   bits nibbles 1 and 2, 5 and 6 swap, then bytes 1 and 2, giving nibbles k0 + 0, 2, 4, 6, 1, 3, 5, 7; 8 bits
+   swap bytes 1 and 2 alone, giving bytes k0 + 0, 2, 1, 3. */
+static inline uint32_t kernel_word(uint32_t x, int bits) {
+    if (bits == 4) x = (x & 0xF00FF00Fu) | ((x & 0x00F000F0u) << 4) | ((x >> 4) & 0x00F000F0u);
+    return (x & 0xFF0000FFu) | ((x & 0x0000FF00u) << 8) | ((x >> 8) & 0x0000FF00u);
+}
+
+/* panel_words(words, out, bits, row0): a matrix part's MLX-packed words [n, W] into the panels out
+   [panels, W, 16] at rows row0..row0+n-1, in the kernels' order (prepare's repacking, in one pass). */
+static PyObject *py_panel_words(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "panel_words takes 4 arguments");
+        return NULL;
+    }
+    const long bits = PyLong_AsLong(args[2]), row0 = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer bw, bo;
+    if (get_buf(args[0], &bw, 0) < 0) return NULL;
+    if (get_buf(args[1], &bo, 1) < 0) {
+        PyBuffer_Release(&bw);
+        return NULL;
+    }
+    const Py_ssize_t n = bw.ndim == 2 ? bw.shape[0] : 0, W = bw.ndim == 2 ? bw.shape[1] : 0;
+    if ((bits != 4 && bits != 8) || !qm_is_u32(&bw) || !qm_is_u32(&bo) || bw.ndim != 2 || bo.ndim != 3 ||
+        !PyBuffer_IsContiguous(&bw, 'C') || !PyBuffer_IsContiguous(&bo, 'C') || bo.shape[1] != W ||
+        bo.shape[2] != PANEL || row0 < 0 || row0 + n > bo.shape[0] * PANEL) {
+        PyErr_SetString(PyExc_ValueError, "panel_words: bad bits, shapes, strides or types");
+        PyBuffer_Release(&bw);
+        PyBuffer_Release(&bo);
+        return NULL;
+    }
+    const uint32_t *w = (const uint32_t *)bw.buf;
+    uint32_t *out = (uint32_t *)bo.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Py_ssize_t row = row0 + i;
+        uint32_t *col = out + (row / PANEL) * W * PANEL + row % PANEL;
+        const uint32_t *src = w + i * W;
+        for (Py_ssize_t j = 0; j < W; j++) col[j * PANEL] = kernel_word(src[j], (int)bits);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&bw);
+    PyBuffer_Release(&bo);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
     (void)self;
     long n = PyLong_AsLong(arg);
@@ -1686,6 +1734,8 @@ static PyMethodDef methods[] = {
     {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL, "gemm(x, w, scales, biases, out, N, bits, group, f16[, hi, hbits, sc, m])"},
     {"rows", (PyCFunction)(void (*)(void))py_rows, METH_FASTCALL,
      "rows(ids, out, center, w, scales, biases, N, bits, group, f16[, hi, hbits, sc, m]): rows of W, dequantized"},
+    {"panel_words", (PyCFunction)(void (*)(void))py_panel_words, METH_FASTCALL,
+     "panel_words(words, out, bits, row0): MLX-packed 4- or 8-bit words [n, W] into panels out [panels, W, 16] at row0"},
     {"set_num_threads", py_set_num_threads, METH_O, "Threads per call, the caller's included; returns the count in use."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads per call."},
     {"set_activation_bits", py_set_activation_bits, METH_O, "Quantize activations to 8- or 16-bit integers per group."},

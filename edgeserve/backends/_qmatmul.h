@@ -62,9 +62,10 @@ int qm_attention(const float *q, Py_ssize_t q_row, const void *k, const void *v,
                  const int64_t *block_tables, Py_ssize_t bt_row, const int64_t *lens, int D, int H, int hd,
                  float scale, int window, float *out);
 
-/* Whether a buffer holds float32 / int64 elements. */
+/* Whether a buffer holds float32 / int64 / uint32 elements. */
 int qm_is_f32(const Py_buffer *b);
 int qm_is_i64(const Py_buffer *b);
+int qm_is_u32(const Py_buffer *b);
 
 /* The first row whose length or block ids fall outside a pool of `blocks` blocks of bs keys, or -1. */
 int qm_bad_table_row(const int64_t *block_tables, Py_ssize_t bt_row, Py_ssize_t bt_cols, const int64_t *lens, int D,
