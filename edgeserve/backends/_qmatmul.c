@@ -1603,23 +1603,22 @@ static PyObject *py_panel_words(PyObject *self, PyObject *const *args, Py_ssize_
     }
     const long bits = PyLong_AsLong(args[2]), row0 = PyLong_AsLong(args[3]);
     if (PyErr_Occurred()) return NULL;
-    Py_buffer bw, bo;
-    if (get_buf(args[0], &bw, 0) < 0) return NULL;
-    if (get_buf(args[1], &bo, 1) < 0) {
-        PyBuffer_Release(&bw);
-        return NULL;
-    }
-    const Py_ssize_t n = bw.ndim == 2 ? bw.shape[0] : 0, W = bw.ndim == 2 ? bw.shape[1] : 0;
-    if ((bits != 4 && bits != 8) || !qm_is_u32(&bw) || !qm_is_u32(&bo) || bw.ndim != 2 || bo.ndim != 3 ||
-        !PyBuffer_IsContiguous(&bw, 'C') || !PyBuffer_IsContiguous(&bo, 'C') || bo.shape[1] != W ||
-        bo.shape[2] != PANEL || row0 < 0 || row0 + n > bo.shape[0] * PANEL) {
+    Py_buffer b[2];
+    int held = 0;
+    if (get_buf(args[0], &b[held], 0) < 0) goto fail;
+    held++;
+    if (get_buf(args[1], &b[held], 1) < 0) goto fail;
+    held++;
+    Py_buffer *bw = &b[0], *bo = &b[1];
+    const Py_ssize_t n = bw->ndim == 2 ? bw->shape[0] : 0, W = bw->ndim == 2 ? bw->shape[1] : 0;
+    if ((bits != 4 && bits != 8) || !qm_is_u32(bw) || !qm_is_u32(bo) || bw->ndim != 2 || bo->ndim != 3 ||
+        !PyBuffer_IsContiguous(bw, 'C') || !PyBuffer_IsContiguous(bo, 'C') || bo->shape[1] != W ||
+        bo->shape[2] != PANEL || row0 < 0 || row0 + n > bo->shape[0] * PANEL) {
         PyErr_SetString(PyExc_ValueError, "panel_words: bad bits, shapes, strides or types");
-        PyBuffer_Release(&bw);
-        PyBuffer_Release(&bo);
-        return NULL;
+        goto fail;
     }
-    const uint32_t *w = (const uint32_t *)bw.buf;
-    uint32_t *out = (uint32_t *)bo.buf;
+    const uint32_t *w = (const uint32_t *)bw->buf;
+    uint32_t *out = (uint32_t *)bo->buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         const Py_ssize_t row = row0 + i;
@@ -1628,9 +1627,11 @@ static PyObject *py_panel_words(PyObject *self, PyObject *const *args, Py_ssize_
         for (Py_ssize_t j = 0; j < W; j++) col[j * PANEL] = kernel_word(src[j], (int)bits);
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&bw);
-    PyBuffer_Release(&bo);
+    while (held > 0) PyBuffer_Release(&b[--held]);
     Py_RETURN_NONE;
+fail:
+    while (held > 0) PyBuffer_Release(&b[--held]);
+    return NULL;
 }
 
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
