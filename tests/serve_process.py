@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,6 +23,26 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_port_run(n: int) -> int:
+    """The first of n consecutive loopback ports free now, below the ephemeral range (Linux: 32768 and up):
+    ports just above one the system handed out are its next ephemeral ones, which the connections of tests
+    running beside this one take (an MLX ring on free_port() + 1 failed to bind under pytest-xdist)."""
+    rng = random.Random()
+    while True:
+        first = rng.randrange(20000, 32768 - n)
+        socks = []
+        try:
+            for port in range(first, first + n):
+                socks.append(sock := socket.socket())
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
 
 
 class ServeProcess:

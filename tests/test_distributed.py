@@ -22,7 +22,7 @@ from edgeserve.errors import EdgeserveError
 from edgeserve.models.catalog import DEFAULT_MODEL
 from edgeserve.models.loader import LoadedModel, load_model
 from bench_scripts import patch_metadata
-from serve_process import ServeProcess, Stream, free_port
+from serve_process import ServeProcess, Stream, free_port_run
 
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed: distributed serving not tested")
 
@@ -182,7 +182,7 @@ def _launch(mode: str, ranks: int, loaded_model: LoadedModel, tmp_path: Path, ca
     command = [sys.executable, str(RANK_SCRIPT), mode if ranks > 1 else "none", str(cases_path), str(out)]
     if ranks > 1:
         launcher = Path(sys.executable).with_name("mlx.launch")
-        command = [str(launcher), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port()),
+        command = [str(launcher), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port_run(ranks)),
                    "--", *command]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0 and out.exists(), done.stdout + done.stderr
@@ -218,7 +218,8 @@ def test_sixteen_streams_give_one_ranks_greedy_tokens(mode, ranks, one_rank_sixt
 def test_a_rank_killed_mid_answer_fails_it_and_health_within_seconds(model_path, tmp_path) -> None:
     """The ranks started as mlx.launch starts them (which would then also stop rank 0: here it stays up to ask)."""
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    first = free_port_run(2)
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{first}"], [f"127.0.0.1:{first + 1}"]]))
     args = ["--backend", "mlx", "--distributed", "pipeline", "--kv-memory", "64MiB", "--prefix-cache-disk", "0"]
     env = {**os.environ, "MLX_HOSTFILE": str(hostfile)}
     rank1 = subprocess.Popen([sys.executable, "-m", "edgeserve.cli", "serve", "-m", str(model_path), *args],
