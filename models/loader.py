@@ -23,7 +23,7 @@ from edgeserve.models.catalog import CATALOG, pull, sha256_of
 from edgeserve.system import home, write_text_whole
 from edgeserve.models.registry import architecture, gguf_model_type
 from edgeserve.quant.affine import QuantizedTensor
-from edgeserve.quant.gguf_blocks import gguf_tensor_to_array
+from edgeserve.quant.gguf_blocks import gguf_tensor_to_array, symmetric_blocks
 from edgeserve.quant.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from edgeserve.quant.kquants import KQuantTensor
 from edgeserve.sampling_params import SamplingDefaults
@@ -124,9 +124,15 @@ class _Deferred:
     origin: WeightOrigin
     _convert: Callable[[], Any]
     _held: Any
+    _blocks: Callable[[], Any] | None = None  # the file's Q4_0/Q8_0 blocks, which the CPU kernels repack directly
 
     def materialize(self) -> Any:
         return self._held if self._held is not None else self._convert()
+
+    def for_repacking(self) -> Any:
+        """What a caller repacking the matrix (and dropping it) reads: the file's blocks where they are
+        `SymmetricBlocks`, else `materialize()`."""
+        return self._blocks() if self._blocks is not None else self.materialize()
 
     def _value(self) -> Any:
         if self._held is None:
@@ -139,8 +145,11 @@ class _Deferred:
 
     def reordered(self, order: np.ndarray, tag: str) -> Any:
         """The same matrix with its rows taken in `order`, still deferred."""
-        return type(self)(lambda: self.materialize().take_rows(order),
-                          self._layout, WeightOrigin(self.origin.file, self.origin.tensor, tag), self._map)
+        w = type(self)(lambda: self.materialize().take_rows(order),
+                       self._layout, WeightOrigin(self.origin.file, self.origin.tensor, tag), self._map)
+        if self._blocks is not None:
+            w._blocks = lambda: self._blocks().take_rows(order)
+        return w
 
 
 class DeferredQuantizedTensor(_Deferred, QuantizedTensor):
@@ -180,7 +189,10 @@ def _deferred(t: GGUFTensor, identity: str) -> Any:
     if t.qtype in _KQUANTS:
         return DeferredKQuantTensor(lambda: gguf_tensor_to_array(t), (t.qtype, *t.shape), origin, file_map)
     layout = ((t.shape[0], t.shape[1]), _AFFINE_BITS[t.qtype], 32)
-    return DeferredQuantizedTensor(lambda: gguf_tensor_to_array(t), layout, origin, file_map)
+    w = DeferredQuantizedTensor(lambda: gguf_tensor_to_array(t), layout, origin, file_map)
+    if t.qtype in (_T.Q4_0, _T.Q8_0):
+        w._blocks = lambda: symmetric_blocks(t)
+    return w
 
 
 @dataclass

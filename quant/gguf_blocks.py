@@ -13,12 +13,16 @@ affine group of 32 with no requantization:
 (The 5-bit types widen to 8 bits: the CPU kernels compute from 4- and 8-bit groups, and llama.cpp
 writes Q5_0 for the matrices of widths K-quants do not divide, as in Gemma 3 270M.)
 
-2-D Q4_K/Q5_K/Q6_K tensors stay as their blocks (a KQuantTensor, see quant/kquants.py). Every
+A Q4_0 or Q8_0 matrix can also stay as its blocks (SymmetricBlocks): the CPU kernels repack those
+straight into their panels, the affine form never built. 2-D Q4_K/Q5_K/Q6_K tensors stay as their
+blocks (a KQuantTensor, see quant/kquants.py). Every
 other type GGUF's own library can dequantize (1-D K-quants, ...) comes back as float32; whether
 to requantize it is the caller's choice.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import gguf
 import numpy as np
@@ -30,6 +34,52 @@ from edgeserve.quant.kquants import KQUANT_TYPES, KQuantTensor, kquant_from_gguf
 
 _T = gguf.GGMLQuantizationType
 _BLOCK = 32  # values per Q4_0/Q4_1/Q8_0 block, and so the affine group size
+_CENTERS = {_T.Q4_0: 8, _T.Q8_0: 128}  # q - center is the signed value (Q8_0's q stored + 128)
+
+
+@dataclass
+class SymmetricBlocks:
+    """A 2-D Q4_0 or Q8_0 matrix as the file's blocks: a float16 scale d and 32 integers each, w = d * (q - center)."""
+
+    blocks: np.ndarray  # uint8 [rows, cols / 32 * block bytes]
+    qtype: gguf.GGMLQuantizationType
+    cols: int
+    group_size = _BLOCK
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, cols) of the matrix this tensor stands for."""
+        return self.blocks.shape[0], self.cols
+
+    @property
+    def bits(self) -> int:
+        """Bits of each stored integer (Q8_0's signed bytes become q + 128)."""
+        return 4 if self.qtype == _T.Q4_0 else 8
+
+    @property
+    def center(self) -> int:
+        return _CENTERS[self.qtype]
+
+    def scales(self) -> np.ndarray:
+        """Each block's d, float16 [rows, cols / 32]."""
+        return _f16_field(self._block_rows(), 0).reshape(self.shape[0], -1)
+
+    def to_affine(self) -> QuantizedTensor:
+        """The same values as MLX affine groups of 32."""
+        return _AFFINE_MAPPERS[self.qtype](self._block_rows(), self.shape)
+
+    def take_rows(self, index: np.ndarray) -> SymmetricBlocks:
+        """A new matrix made of the given rows, in that order."""
+        return SymmetricBlocks(np.ascontiguousarray(self.blocks[np.asarray(index)]), self.qtype, self.cols)
+
+    def _block_rows(self) -> np.ndarray:
+        return self.blocks.reshape(-1, gguf.GGML_QUANT_SIZES[self.qtype][1])
+
+
+def symmetric_blocks(t: GGUFTensor) -> SymmetricBlocks:
+    """A 2-D Q4_0 or Q8_0 tensor's blocks, not copied."""
+    rows, cols = t.shape
+    return SymmetricBlocks(np.asarray(t.data, dtype=np.uint8).reshape(rows, -1), _T(t.qtype), cols)
 
 
 def gguf_tensor_to_array(t: GGUFTensor) -> np.ndarray | QuantizedTensor | KQuantTensor:

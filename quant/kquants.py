@@ -36,7 +36,7 @@ Q6_K_OFFSET = 32
 class KPlanes:
     """A K-quant matrix unpacked: w = (d * sc) * q + dmin * m, per group and super-block."""
 
-    q: np.ndarray  # uint8 [rows, cols], below 2**bits
+    q: np.ndarray | None  # uint8 [rows, cols], below 2**bits; None where not asked for
     sc: np.ndarray  # int8 [rows, cols / group]
     m: np.ndarray | None  # int8 like sc; None where m is sc itself (Q6_K)
     d: np.ndarray  # float32 [rows, cols / 256], each exactly a float16
@@ -90,22 +90,27 @@ class KQuantTensor:
         """A new tensor made of the given rows, in that order."""
         return KQuantTensor(np.ascontiguousarray(self.blocks[np.asarray(index)]), self.qtype, self.cols)
 
-    def planes(self) -> KPlanes:
-        """The integers and scales as separate arrays, in the two-level affine form."""
+    def planes(self, values: bool = True) -> KPlanes:
+        """The integers and scales as separate arrays, in the two-level affine form (q None unless `values`)."""
         rows, cols = self.shape
         n = rows * cols // SUPER
         b = self.blocks.reshape(n, -1)
         if self.qtype == _T.Q6_K:
             ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], b[:, 208:210]
-            lo = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
-            hi = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(0x03)
-            q = lo.reshape(n, SUPER) | (hi.reshape(n, SUPER) << np.uint8(4))
+            q = None
+            if values:
+                lo = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+                hi = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+                q = (lo.reshape(n, SUPER) | (hi.reshape(n, SUPER) << np.uint8(4))).reshape(rows, cols)
             d32 = _f16(d)
             sc = np.ascontiguousarray(scales).view(np.int8)
-            return KPlanes(q.reshape(rows, cols), sc.reshape(rows, -1), None,
+            return KPlanes(q, sc.reshape(rows, -1), None,
                            d32.reshape(rows, -1), (np.float32(-Q6_K_OFFSET) * d32).reshape(rows, -1))
         d32, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
         sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+        sc, m = sc.astype(np.int8).reshape(rows, -1), m.astype(np.int8).reshape(rows, -1)
+        if not values:
+            return KPlanes(None, sc, m, d32.reshape(rows, -1), (-dmin).reshape(rows, -1))
         if self.qtype == _T.Q4_K:
             qs = b[:, 16:144]
             high = np.zeros((n, SUPER), np.uint8)
@@ -115,8 +120,7 @@ class KQuantTensor:
             high = bit.reshape(n, SUPER) << np.uint8(4)
         lo = (qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
         q = lo.reshape(n, SUPER) | high
-        return KPlanes(q.reshape(rows, cols), sc.astype(np.int8).reshape(rows, -1), m.astype(np.int8).reshape(rows, -1),
-                       d32.reshape(rows, -1), (-dmin).reshape(rows, -1))
+        return KPlanes(q.reshape(rows, cols), sc, m, d32.reshape(rows, -1), (-dmin).reshape(rows, -1))
 
 
     def to_affine(self) -> QuantizedTensor | None:

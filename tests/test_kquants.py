@@ -47,6 +47,29 @@ def test_dequantize_is_gguf_bit_for_bit(qtype):
     assert int(p.q.max()) < 2**t.bits
 
 
+@pytest.mark.parametrize("qtype", KTYPES)
+def test_the_c_repacking_of_blocks_gives_numpys_panels(qtype, monkeypatch):
+    """prepare repacks K-quant blocks into panels in C where the extension is built: every array the same as the
+    NumPy route's, parts of any row count one after another, the last panel padded with zeros."""
+    if qm._ext is None:
+        pytest.skip("the C extension is not built")
+    rng = np.random.default_rng(int(qtype) + 100)
+    parts = [random_kquant(rng, qtype, n, 512) for n in (19, 16, 5)]
+    fast = qm.prepare(parts).segments[0]
+    with monkeypatch.context() as m:
+        m.setattr(qm, "_ext", None)
+        slow = qm.prepare(parts).segments[0]
+    for field in ("packed", "hi", "ksc", "km", "scales", "biases"):
+        a, b = getattr(fast, field), getattr(slow, field)
+        assert (a is None) == (b is None) == (field == "hi" and qtype == T.Q4_K), field
+        if a is not None:
+            assert a.dtype == b.dtype, field
+            np.testing.assert_array_equal(a, b, err_msg=field)
+    assert fast.packed[-1, :, :8].any() and not fast.packed[-1, :, 8:].any()
+    with pytest.raises(ValueError, match="block_words"):  # rows that are not whole blocks
+        qm._ext.block_words(parts[0].blocks[:, :-1].copy(), int(qtype), fast.packed, fast.hi, 0)
+
+
 @pytest.mark.parametrize("path", ["c", "numba"])
 @pytest.mark.parametrize("qtype", KTYPES)
 def test_embedding_rows_from_panels_are_exact(qtype, path, monkeypatch):

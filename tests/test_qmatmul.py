@@ -12,7 +12,7 @@ import pytest
 
 from edgeserve.backends import qmatmul as qm
 from edgeserve.quant.affine import QuantizedTensor, quantize
-from edgeserve.quant.gguf_blocks import _AFFINE_MAPPERS
+from edgeserve.quant.gguf_blocks import _AFFINE_MAPPERS, SymmetricBlocks
 
 ROWS = (1, 3, 16, 64, 300)
 
@@ -138,6 +138,29 @@ def test_the_c_repacking_gives_numpys_panels(monkeypatch):
         assert fast[-1, :, :8].any() and not fast[-1, :, 8:].any()  # rows 32..39, then padding
     with pytest.raises(ValueError, match="panel_words"):
         qm._ext.panel_words(np.zeros((17, 4), np.uint32), np.zeros((1, 4, 16), np.uint32), 4, 0)
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0])
+def test_gguf_blocks_repack_straight_into_panels(qtype):
+    """A Q4_0 or Q8_0 matrix kept as the file's blocks gives the panels of its affine form (without biases: they are
+    -center * scale) and gguf's own values, rows reordered as the loader reorders q and k."""
+    if qm._ext is None:
+        pytest.skip("the C extension is not built")
+    rng = np.random.default_rng(int(qtype))
+    values = (rng.standard_normal((40, 96)) * 0.05).astype(np.float32)
+    blocks = gguf.quants.quantize(values, qtype).reshape(40, -1)
+    parts = [SymmetricBlocks(blocks[:19], qtype, 96), SymmetricBlocks(blocks[19:], qtype, 96).take_rows(
+        np.arange(20, -1, -1))]
+    direct, affine = qm.prepare(parts), qm.prepare([p.to_affine() for p in parts])
+    a, b = direct.segments[0], affine.segments[0]
+    np.testing.assert_array_equal(a.packed, b.packed)
+    np.testing.assert_array_equal(a.scales.astype(np.float32), b.scales.astype(np.float32))
+    assert a.biases is None and b.biases is None and a.center == b.center == (8 if qtype.name == "Q4_0" else 128)
+    want = gguf.quants.dequantize(blocks, qtype).reshape(40, 96)
+    want = np.concatenate([want[:19], want[19:][::-1]])
+    np.testing.assert_array_equal(qm.qembed(direct, np.arange(40)), want)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    np.testing.assert_array_equal(qm.qmatmul(x, direct), qm.qmatmul(x, affine))
 
 
 @pytest.mark.parametrize("path", ["c", "numba"])

@@ -1634,6 +1634,129 @@ fail:
     return NULL;
 }
 
+/* GGML type ids (ggml.h) of the blocks block_words reads. */
+enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+
+/* The MLX word of 8 nibbles (value i at bits 4i) from the nibble at `shift` (0 or 4) of 8 bytes. */
+static inline uint32_t nibbles8(const uint8_t *p, int shift) {
+    uint64_t x;
+    memcpy(&x, p, 8);
+    x = (x >> shift) & 0x0F0F0F0F0F0F0F0Full;
+    x = (x | (x >> 4)) & 0x00FF00FF00FF00FFull;
+    x = (x | (x >> 8)) & 0x0000FFFF0000FFFFull;
+    return (uint32_t)(x | (x >> 16));
+}
+
+/* A super-block's (or Q4_0 block's) 4-bit words in the kernels' order: `n` words of 8 consecutive values, word j
+   taken from bytes src + at[j] at nibble shift sh[j]. */
+static inline void block_nibble_words(const uint8_t *src, const int *at, const int *sh, int n, uint32_t *col) {
+    for (int j = 0; j < n; j++) col[j * PANEL] = kernel_word(nibbles8(src + at[j], sh[j]), 4);
+}
+
+/* High-bit words of a super-block (Q5_K: 8 words of 32 values, Q6_K: 16 of 16): value e of a word at bit
+   hbits * (e / 2) of its low (even e) or high (odd e) int16 half, as qmatmul._high_bit_words lays them. */
+static inline void block_high_words(const uint8_t *b, int qtype, uint32_t *col) {
+    if (qtype == GGML_Q5_K) {
+        const uint8_t *qh = b + 16;  /* value 32 g + i has bit g of qh[i] */
+        for (int g = 0; g < 8; g++) {
+            uint32_t w = 0;
+            for (int i = 0; i < 32; i++) w |= (uint32_t)((qh[i] >> g) & 1) << (i / 2 + 16 * (i % 2));
+            col[g * PANEL] = w;
+        }
+        return;
+    }
+    const uint8_t *qh = b + 128;  /* value v: bits 2t of qh[32 h + i], v = 128 h + 32 t + i */
+    for (int g = 0; g < 16; g++) {
+        uint32_t w = 0;
+        for (int e = 0; e < 16; e++) {
+            const int v = 16 * g + e, h = v / 128, t = (v % 128) / 32, i = v % 32;
+            w |= (uint32_t)((qh[32 * h + i] >> (2 * t)) & 3) << (2 * (e / 2) + 16 * (e % 2));
+        }
+        col[g * PANEL] = w;
+    }
+}
+
+/* block_words(blocks, qtype, out, hi, row0): a GGUF matrix part's rows of Q4_0, Q8_0, Q4_K, Q5_K or Q6_K blocks
+   [n, bytes a row] into the kernels' panels at rows row0..row0+n-1: the (low) 4-bit or 8-bit values into out
+   [panels, K * bits / 32, 16] and the K-quants' 5th/6th bits into hi [panels, K * hbits / 32, 16] (None for the
+   others). Q8_0's signed values are stored + 128. Scales are left to the caller (they are a small part). */
+static PyObject *py_block_words(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "block_words takes 5 arguments");
+        return NULL;
+    }
+    const long qtype = PyLong_AsLong(args[1]), row0 = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    int block_bytes, values, bits = 4, hbits = 0;
+    switch (qtype) {
+    case GGML_Q4_0: block_bytes = 18, values = 32; break;
+    case GGML_Q8_0: block_bytes = 34, values = 32, bits = 8; break;
+    case GGML_Q4_K: block_bytes = 144, values = 256; break;
+    case GGML_Q5_K: block_bytes = 176, values = 256, hbits = 1; break;
+    case GGML_Q6_K: block_bytes = 210, values = 256, hbits = 2; break;
+    default: PyErr_Format(PyExc_ValueError, "block_words: unsupported GGML type %ld", qtype); return NULL;
+    }
+    Py_buffer b[3];
+    int held = 0;
+    if (get_buf(args[0], &b[held], 0) < 0) goto fail;
+    held++;
+    if (get_buf(args[2], &b[held], 1) < 0) goto fail;
+    held++;
+    if (hbits && get_buf(args[3], &b[held], 1) < 0) goto fail;
+    held += hbits > 0;
+    Py_buffer *bb = &b[0], *bo = &b[1], *bh = hbits ? &b[2] : NULL;
+    const Py_ssize_t n = bb->ndim == 2 ? bb->shape[0] : 0, row_bytes = bb->ndim == 2 ? bb->shape[1] : 0;
+    const Py_ssize_t blocks = row_bytes / block_bytes, K = blocks * values, W = K * bits / 32, HW = K * hbits / 32;
+    if (bb->ndim != 2 || bb->itemsize != 1 || !PyBuffer_IsContiguous(bb, 'C') || row_bytes % block_bytes ||
+        !qm_is_u32(bo) || bo->ndim != 3 || !PyBuffer_IsContiguous(bo, 'C') || bo->shape[1] != W ||
+        bo->shape[2] != PANEL || row0 < 0 || row0 + n > bo->shape[0] * PANEL ||
+        (bh && (!qm_is_u32(bh) || bh->ndim != 3 || !PyBuffer_IsContiguous(bh, 'C') || bh->shape[0] != bo->shape[0] ||
+                bh->shape[1] != HW || bh->shape[2] != PANEL))) {
+        PyErr_SetString(PyExc_ValueError, "block_words: bad type, shapes, strides or dtypes");
+        goto fail;
+    }
+    /* where each 8-value word of a block starts (byte, nibble shift): GGML's nibble orders (quant/kquants.py) */
+    static const int q4_0_at[4] = {2, 10, 2, 10}, q4_0_sh[4] = {0, 0, 4, 4};
+    int k_at[32], k_sh[32];
+    for (int j = 0; j < 32; j++) {
+        const int v = 8 * j;
+        if (qtype == GGML_Q6_K) /* value 128 h + 64 s + i: nibble s of ql[64 h + i] */
+            k_at[j] = 64 * (v / 128) + v % 64, k_sh[j] = 4 * ((v % 128) / 64);
+        else /* Q4_K, Q5_K: value 64 c + 32 s + i: nibble s of qs[32 c + i] */
+            k_at[j] = (qtype == GGML_Q4_K ? 16 : 48) + 32 * (v / 64) + v % 32, k_sh[j] = 4 * ((v % 64) / 32);
+    }
+    const uint8_t *src = (const uint8_t *)bb->buf;
+    uint32_t *out = (uint32_t *)bo->buf, *hout = bh ? (uint32_t *)bh->buf : NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < n; r++) {
+        const Py_ssize_t row = row0 + r, lane = row % PANEL;
+        uint32_t *col = out + (row / PANEL) * W * PANEL + lane;
+        uint32_t *hcol = hout ? hout + (row / PANEL) * HW * PANEL + lane : NULL;
+        for (Py_ssize_t k = 0; k < blocks; k++) {
+            const uint8_t *blk = src + r * row_bytes + k * block_bytes;
+            if (qtype == GGML_Q4_0) {
+                block_nibble_words(blk, q4_0_at, q4_0_sh, 4, col + k * 4 * PANEL);
+            } else if (qtype == GGML_Q8_0) {
+                for (int j = 0; j < 8; j++) {
+                    uint32_t x;
+                    memcpy(&x, blk + 2 + 4 * j, 4);
+                    col[(k * 8 + j) * PANEL] = kernel_word(x ^ 0x80808080u, 8);
+                }
+            } else {
+                block_nibble_words(blk, k_at, k_sh, 32, col + k * 32 * PANEL);
+                if (hcol) block_high_words(blk, (int)qtype, hcol + k * 8 * hbits * PANEL);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    while (held > 0) PyBuffer_Release(&b[--held]);
+    Py_RETURN_NONE;
+fail:
+    while (held > 0) PyBuffer_Release(&b[--held]);
+    return NULL;
+}
+
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
     (void)self;
     long n = PyLong_AsLong(arg);
@@ -1735,6 +1858,8 @@ static PyMethodDef methods[] = {
     {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL, "gemm(x, w, scales, biases, out, N, bits, group, f16[, hi, hbits, sc, m])"},
     {"rows", (PyCFunction)(void (*)(void))py_rows, METH_FASTCALL,
      "rows(ids, out, center, w, scales, biases, N, bits, group, f16[, hi, hbits, sc, m]): rows of W, dequantized"},
+    {"block_words", (PyCFunction)(void (*)(void))py_block_words, METH_FASTCALL,
+     "block_words(blocks, qtype, out, hi, row0): GGUF Q4_0/Q8_0/Q4_K/Q5_K/Q6_K rows into the panels out (and hi) at row0"},
     {"panel_words", (PyCFunction)(void (*)(void))py_panel_words, METH_FASTCALL,
      "panel_words(words, out, bits, row0): MLX-packed 4- or 8-bit words [n, W] into panels out [panels, W, 16] at row0"},
     {"set_num_threads", py_set_num_threads, METH_O, "Threads per call, the caller's included; returns the count in use."},

@@ -52,8 +52,8 @@ def as_float32(w: Any) -> np.ndarray:
 
 
 def _materialized(w: Any) -> Any:
-    """A deferred weight's value, not kept by it (it is repacked, then dropped); others as they are."""
-    return w.materialize() if hasattr(w, "materialize") else w
+    """What repacks a deferred weight (its value, or the file's blocks), not kept by it; others as they are."""
+    return w.for_repacking() if hasattr(w, "for_repacking") else w
 
 
 def resident_weight_bytes(model: Any, mode: str) -> int:

@@ -26,6 +26,7 @@ import json
 import mmap
 import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +63,9 @@ def cache_dir() -> Path:
 class PanelCache:
     """One model file's prepared matrices: looked up by key, added on a miss, saved by `commit`.
 
-    A matrix added on a miss is written to the new cache file at once and then mapped from it,
-    so its in-memory copy is freed before the next one is built: a first run holds one
-    matrix's repacking at a time besides the model file's pages.
+    A matrix added on a miss is written to the new cache file on a writer thread while the caller
+    repacks the next one, then mapped from the file, so its in-memory copy is freed: a first run
+    holds two matrices' repacking at a time besides the model file's pages.
     """
 
     def __init__(self, path: Path, identity: str):
@@ -77,6 +78,8 @@ class PanelCache:
         self._tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
         self._out: Any = None
         self._failed = False  # the cache file could not be written: this run stops trying
+        self._writer: ThreadPoolExecutor | None = None
+        self._writing: Future | None = None
         self._load()
 
     @classmethod
@@ -91,7 +94,7 @@ class PanelCache:
     @property
     def pending(self) -> bool:
         """Whether matrices were built this run that the cache file does not hold yet."""
-        return self._out is not None
+        return self._writing is not None or self._out is not None
 
     def get(self, key: str, shape: tuple[int, int]) -> QMatrix | None:
         """The mapped matrix saved under `key`, or None (also when it does not have `shape`)."""
@@ -108,9 +111,23 @@ class PanelCache:
         return m
 
     def add(self, key: str, m: QMatrix) -> None:
-        """A matrix repacked this run: written to the new cache file, and `m` takes the mapped arrays."""
+        """A matrix repacked this run: written to the new cache file (after the one added before it), then `m`
+        takes the mapped arrays. Until `commit`, `m` may still hold its own arrays."""
+        self._wait()
         if self._failed:
             return
+        if self._writer is None:
+            # writing overlaps the next matrix's repacking: a 3B file's first start spent 1-3 s in writes alone
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="panel-cache")
+        self._writing = self._writer.submit(self._write, key, m)
+
+    def _wait(self) -> None:
+        """Let the write in flight finish."""
+        if self._writing is not None:
+            self._writing.result()
+            self._writing = None
+
+    def _write(self, key: str, m: QMatrix) -> None:
         try:
             if self._out is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,6 +146,10 @@ class PanelCache:
     def commit(self) -> None:
         """Finish the new cache file (the matrices this run found in the old one go in too) and
         put it in place of the old one, atomically."""
+        self._wait()
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
         if self._out is None:
             return
         try:

@@ -52,6 +52,7 @@ import numpy as np
 from edgeserve.backends import ACTIVATION_MODES, DEFAULT_ACTIVATIONS
 from edgeserve.backends.lazy_jit import njit, prange
 from edgeserve.quant.affine import QuantizedTensor, unpack
+from edgeserve.quant.gguf_blocks import SymmetricBlocks
 from edgeserve.quant.kquants import Q6_K_OFFSET, SUPER, KQuantTensor
 from edgeserve.system import usable_cores
 
@@ -75,7 +76,7 @@ _SHIFTS = {4: np.argsort(_NIBBLE_ORDER).astype(np.uint32) * 4, 8: np.argsort(_BY
 # offset in the two int16 halves, the offset of the 4-bit pair they complete after one shift.
 _HI_SHIFTS = {h: np.array([h * (e // 2) + 16 * (e % 2) for e in range(32 // h)], dtype=np.uint32) for h in (1, 2)}
 
-Weight = QuantizedTensor | KQuantTensor | np.ndarray
+Weight = QuantizedTensor | SymmetricBlocks | KQuantTensor | np.ndarray
 
 
 @dataclass
@@ -271,7 +272,7 @@ def compile_now() -> None:
 def _format(p: Weight) -> tuple:
     if isinstance(p, KQuantTensor):
         return ("K", p.qtype)
-    if isinstance(p, QuantizedTensor):
+    if isinstance(p, (QuantizedTensor, SymmetricBlocks)):
         return (p.bits if p.bits in (4, 8) else 8, p.group_size)
     return (0, 0)
 
@@ -280,6 +281,9 @@ def _pack(parts: list[Weight], start: int, stop: int) -> _Segment:
     """One segment from parts of one format: float32 transposed, or panels of packed words."""
     if isinstance(parts[0], KQuantTensor):
         return _pack_kquants(parts, start, stop)
+    if _ext is not None and all(isinstance(p, SymmetricBlocks) and p.qtype == parts[0].qtype for p in parts):
+        return _pack_blocks(parts, start, stop)
+    parts = [p.to_affine() if isinstance(p, SymmetricBlocks) else p for p in parts]
     bits, group = _format(parts[0])
     if not bits:
         wt = np.concatenate([np.asarray(p, dtype=np.float32) for p in parts]).T
@@ -308,22 +312,43 @@ def _pack(parts: list[Weight], start: int, stop: int) -> _Segment:
     return _Segment(start, stop, bits, group, packed, scales, None if center else biases, center=center)
 
 
+def _pack_blocks(parts: list[SymmetricBlocks], start: int, stop: int) -> _Segment:
+    """One segment from Q4_0 or Q8_0 parts of one type, their blocks repacked into panels in C (through the affine
+    form, a 3B file's first start took ~4 s longer)."""
+    n, k, bits = stop - start, parts[0].shape[1], parts[0].bits
+    panels = -(-n // PANEL)
+    packed = np.zeros((panels, k * bits // 32, PANEL), dtype=np.uint32)
+    row = 0
+    for p in parts:
+        _ext.block_words(p.blocks, int(p.qtype), packed, None, row)
+        row += p.shape[0]
+    scales = _panel_rows([p.scales() for p in parts], panels, np.float16)
+    return _Segment(start, stop, bits, p.group_size, packed, scales, None, center=p.center)
+
+
 def _pack_kquants(parts: list[KQuantTensor], start: int, stop: int) -> _Segment:
     """One segment from K-quant parts of one type: 4-bit panels, a high-bit plane, two-level scales."""
     n, k = stop - start, parts[0].shape[1]
     panels = -(-n // PANEL)
-    planes = [p.planes() for p in parts]
-    q = np.zeros((panels * PANEL, k), dtype=np.uint8)
-    q[:n] = np.concatenate([pl.q for pl in planes])
     hbits = parts[0].bits - 4
-    hi = None
-    if hbits:
-        hi = _high_bit_words(q >> 4, hbits, panels)
-    ksc = _panel_ints([pl.sc for pl in planes], panels)
-    km = ksc if planes[0].m is None else _panel_ints([pl.m for pl in planes], panels)
+    planes = [p.planes(values=_ext is None) for p in parts]
+    if _ext is not None:  # the blocks' values straight into panels (in NumPy: 7 of a 1B Q4_K_M file's 9 s first start)
+        packed = np.zeros((panels, k // 8, PANEL), dtype=np.uint32)
+        hi = np.zeros((panels, k * hbits // 32, PANEL), dtype=np.uint32) if hbits else None
+        row = 0
+        for p in parts:
+            _ext.block_words(p.blocks, int(p.qtype), packed, hi, row)
+            row += p.shape[0]
+    else:
+        q = np.zeros((panels * PANEL, k), dtype=np.uint8)
+        q[:n] = np.concatenate([pl.q for pl in planes])
+        hi = _high_bit_words(q >> 4, hbits, panels) if hbits else None
+        packed = _panel_words(q & np.uint8(0x0F), 4, panels)
+    ksc = _panel_rows([pl.sc for pl in planes], panels, np.int8)
+    km = ksc if planes[0].m is None else _panel_rows([pl.m for pl in planes], panels, np.int8)
     d, dmin = _panel_scales([pl.d for pl in planes], [pl.dmin for pl in planes], panels)
     center = Q6_K_OFFSET if planes[0].m is None else 0
-    return _Segment(start, stop, 4, parts[0].group_size, _panel_words(q & np.uint8(0x0F), 4, panels), d, dmin,
+    return _Segment(start, stop, 4, parts[0].group_size, packed, d, dmin,
                     hbits=hbits, hi=hi, ksc=ksc, km=km, center=center)
 
 
@@ -363,10 +388,10 @@ def _panels(words: np.ndarray, panels: int) -> np.ndarray:
     return np.ascontiguousarray(words.reshape(panels, PANEL, -1).transpose(0, 2, 1))
 
 
-def _panel_ints(parts: list[np.ndarray], panels: int) -> np.ndarray:
-    """int8 [rows, groups] per part -> [panels, groups, 16]."""
+def _panel_rows(parts: list[np.ndarray], panels: int, dtype: np.dtype) -> np.ndarray:
+    """Per-row values [rows, groups] per part (scales, group integers) -> [panels, groups, 16] of dtype."""
     a = np.concatenate(parts)
-    padded = np.zeros((panels * PANEL, a.shape[1]), dtype=np.int8)
+    padded = np.zeros((panels * PANEL, a.shape[1]), dtype=dtype)
     padded[: len(a)] = a
     return np.ascontiguousarray(padded.reshape(panels, PANEL, -1).transpose(0, 2, 1))
 
@@ -387,12 +412,7 @@ def _panel_scales(scales: list[np.ndarray], biases: list[np.ndarray], panels: in
         with np.errstate(over="ignore"):
             exact = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in pair)
         dtype = np.float16 if exact else np.float32
-    out = []
-    for a in pair:
-        padded = np.zeros((panels * PANEL, a.shape[1]), dtype=dtype)
-        padded[: len(a)] = a
-        out.append(np.ascontiguousarray(padded.reshape(panels, PANEL, -1).transpose(0, 2, 1)))
-    return out[0], out[1]
+    return _panel_rows([pair[0]], panels, dtype), _panel_rows([pair[1]], panels, dtype)
 
 
 def _center(scales: np.ndarray, biases: np.ndarray, bits: int) -> int:
