@@ -102,6 +102,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         free = set(self.bm.free)
         assert all((b in free) == (counts[b] == 0) for b in range(self.bm.num_blocks)), \
             "a block both free and referenced, or neither"
+        cached = sum(1 for b in free if self.bm.block_hash[b] is not None)
+        assert self.bm.usage().cached == cached, "the count of cached free blocks drifted"
 
     def teardown(self) -> None:
         if not hasattr(self, "scheduler"):

@@ -51,6 +51,7 @@ class BlockManager:
         self.hash_to_block: dict[bytes, int] = {}
         self.children: dict[bytes | None, set[int]] = {}  # cached blocks by their parent's hash
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
+        self._free_cached = 0  # free blocks holding a prefix, kept as they come and go (usage() runs every step)
         self._pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next step
         self.hit_tokens = 0
         self.query_tokens = 0
@@ -69,7 +70,7 @@ class BlockManager:
         return self.num_blocks - len(self.free)
 
     def usage(self) -> BlockUsage:
-        cached = sum(1 for b in self.free if self.block_hash[b] is not None)
+        cached = self._free_cached
         return BlockUsage(self.num_blocks, self.num_used, cached, self.num_free - cached, self.hit_tokens,
                           self.query_tokens)
 
@@ -106,6 +107,7 @@ class BlockManager:
         block, _ = self.free.popitem(last=False)
         h = self.block_hash[block]
         if h is not None:
+            self._free_cached -= 1
             if self._pending_loads.pop(block, None) is None and self.store is not None:
                 self._evicted.append((block, h, self.block_key[block]))  # type: ignore[arg-type]
             # (a block whose load is still pending holds nothing yet: its K/V are the store's already)
@@ -118,7 +120,15 @@ class BlockManager:
     def _ref(self, block: int) -> None:
         if self.ref_count[block] == 0:
             del self.free[block]
+            self._free_cached -= self.block_hash[block] is not None
         self.ref_count[block] += 1
+
+    def _release(self, block: int) -> None:
+        """One reference fewer; the last one puts the block on the free list (most recently used last)."""
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            self.free[block] = None
+            self._free_cached += self.block_hash[block] is not None
 
     @staticmethod
     def _chain(parent: bytes | None, tokens: list[int]) -> bytes:
@@ -240,9 +250,7 @@ class BlockManager:
         """Free seq's blocks past those its tokens need (slots a rejected draft was given)."""
         keep = blocks_for(seq.num_tokens, self.block_size)
         for b in reversed(seq.block_table[keep:]):
-            self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
-                self.free[b] = None
+            self._release(b)
         del seq.block_table[keep:]
 
     def share_prompt(self, source: Sequence, seq: Sequence, num_new_tokens: int) -> bool:
@@ -277,9 +285,7 @@ class BlockManager:
         for b in reversed(seq.block_table):
             if self.ref_count[b] <= 0:
                 raise RuntimeError(f"double free of KV block {b}")
-            self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
-                self.free[b] = None
+            self._release(b)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
