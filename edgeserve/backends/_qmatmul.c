@@ -1685,6 +1685,47 @@ static inline void block_high_words(const uint8_t *b, int qtype, uint32_t *col) 
     }
 }
 
+/* A block_words call: rows of GGUF blocks and the panels they go into. */
+typedef struct {
+    const uint8_t *src;
+    uint32_t *out, *hout;
+    Py_ssize_t n, row0, row_bytes, blocks, W, HW;
+    int qtype, block_bytes, hbits;
+    int k_at[32], k_sh[32]; /* K-quants: where each 8-value word of a super-block starts (byte, nibble shift) */
+} BlockWords;
+
+/* Rows r0..r1-1 of the call's part into their panels. */
+static void block_words_rows(const BlockWords *t, Py_ssize_t r0, Py_ssize_t r1) {
+    static const int q4_0_at[4] = {2, 10, 2, 10}, q4_0_sh[4] = {0, 0, 4, 4}; /* Q4_0: low nibbles, then high */
+    for (Py_ssize_t r = r0; r < r1; r++) {
+        const Py_ssize_t row = t->row0 + r, lane = row % PANEL;
+        uint32_t *col = t->out + (row / PANEL) * t->W * PANEL + lane;
+        uint32_t *hcol = t->hout ? t->hout + (row / PANEL) * t->HW * PANEL + lane : NULL;
+        for (Py_ssize_t k = 0; k < t->blocks; k++) {
+            const uint8_t *blk = t->src + r * t->row_bytes + k * t->block_bytes;
+            if (t->qtype == GGML_Q4_0) {
+                block_nibble_words(blk, q4_0_at, q4_0_sh, 4, col + k * 4 * PANEL);
+            } else if (t->qtype == GGML_Q8_0) {
+                for (int j = 0; j < 8; j++) {
+                    uint32_t x;
+                    memcpy(&x, blk + 2 + 4 * j, 4);
+                    col[(k * 8 + j) * PANEL] = kernel_word(x ^ 0x80808080u, 8);
+                }
+            } else {
+                block_nibble_words(blk, t->k_at, t->k_sh, 32, col + k * 32 * PANEL);
+                if (hcol) block_high_words(blk, t->qtype, hcol + k * 8 * t->hbits * PANEL);
+            }
+        }
+    }
+}
+
+/* Item i: the part's rows in the i-th panel it touches (so no two threads write one panel's cache lines). */
+static void block_words_item(const void *ctx, int i) {
+    const BlockWords *t = (const BlockWords *)ctx;
+    const Py_ssize_t first = t->row0 / PANEL * PANEL, r0 = first + (Py_ssize_t)i * PANEL - t->row0;
+    block_words_rows(t, r0 > 0 ? r0 : 0, r0 + PANEL < t->n ? r0 + PANEL : t->n);
+}
+
 /* block_words(blocks, qtype, out, hi, row0): a GGUF matrix part's rows of Q4_0, Q8_0, Q4_K, Q5_K or Q6_K blocks
    [n, bytes a row] into the kernels' panels at rows row0..row0+n-1: the (low) 4-bit or 8-bit values into out
    [panels, K * bits / 32, 16] and the K-quants' 5th/6th bits into hi [panels, K * hbits / 32, 16] (None for the
@@ -1725,40 +1766,18 @@ static PyObject *py_block_words(PyObject *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_ValueError, "block_words: bad type, shapes, strides or dtypes");
         goto fail;
     }
-    /* where each 8-value word of a block starts (byte, nibble shift): GGML's nibble orders (quant/kquants.py) */
-    static const int q4_0_at[4] = {2, 10, 2, 10}, q4_0_sh[4] = {0, 0, 4, 4};
-    int k_at[32], k_sh[32];
-    for (int j = 0; j < 32; j++) {
+    BlockWords t = {.src = (const uint8_t *)bb->buf, .out = (uint32_t *)bo->buf,
+                    .hout = bh ? (uint32_t *)bh->buf : NULL, .n = n, .row0 = row0, .row_bytes = row_bytes,
+                    .blocks = blocks, .W = W, .HW = HW, .qtype = (int)qtype, .block_bytes = block_bytes, .hbits = hbits};
+    for (int j = 0; j < 32; j++) { /* GGML's nibble orders (quant/kquants.py) */
         const int v = 8 * j;
         if (qtype == GGML_Q6_K) /* value 128 h + 64 s + i: nibble s of ql[64 h + i] */
-            k_at[j] = 64 * (v / 128) + v % 64, k_sh[j] = 4 * ((v % 128) / 64);
+            t.k_at[j] = 64 * (v / 128) + v % 64, t.k_sh[j] = 4 * ((v % 128) / 64);
         else /* Q4_K, Q5_K: value 64 c + 32 s + i: nibble s of qs[32 c + i] */
-            k_at[j] = (qtype == GGML_Q4_K ? 16 : 48) + 32 * (v / 64) + v % 32, k_sh[j] = 4 * ((v % 64) / 32);
+            t.k_at[j] = (qtype == GGML_Q4_K ? 16 : 48) + 32 * (v / 64) + v % 32, t.k_sh[j] = 4 * ((v % 64) / 32);
     }
-    const uint8_t *src = (const uint8_t *)bb->buf;
-    uint32_t *out = (uint32_t *)bo->buf, *hout = bh ? (uint32_t *)bh->buf : NULL;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t r = 0; r < n; r++) {
-        const Py_ssize_t row = row0 + r, lane = row % PANEL;
-        uint32_t *col = out + (row / PANEL) * W * PANEL + lane;
-        uint32_t *hcol = hout ? hout + (row / PANEL) * HW * PANEL + lane : NULL;
-        for (Py_ssize_t k = 0; k < blocks; k++) {
-            const uint8_t *blk = src + r * row_bytes + k * block_bytes;
-            if (qtype == GGML_Q4_0) {
-                block_nibble_words(blk, q4_0_at, q4_0_sh, 4, col + k * 4 * PANEL);
-            } else if (qtype == GGML_Q8_0) {
-                for (int j = 0; j < 8; j++) {
-                    uint32_t x;
-                    memcpy(&x, blk + 2 + 4 * j, 4);
-                    col[(k * 8 + j) * PANEL] = kernel_word(x ^ 0x80808080u, 8);
-                }
-            } else {
-                block_nibble_words(blk, k_at, k_sh, 32, col + k * 32 * PANEL);
-                if (hcol) block_high_words(blk, (int)qtype, hcol + k * 8 * hbits * PANEL);
-            }
-        }
-    }
-    Py_END_ALLOW_THREADS
+    const int panels = n ? (int)((row0 + n - 1) / PANEL - row0 / PANEL + 1) : 0;
+    WITH_POOL(qm_parallel(panels, block_words_item, &t));
     while (held > 0) PyBuffer_Release(&b[--held]);
     Py_RETURN_NONE;
 fail:

@@ -313,8 +313,8 @@ def _pack(parts: list[Weight], start: int, stop: int) -> _Segment:
 
 
 def _pack_blocks(parts: list[SymmetricBlocks], start: int, stop: int) -> _Segment:
-    """One segment from Q4_0 or Q8_0 parts of one type, their blocks repacked into panels in C (through the affine
-    form, a 3B file's first start took ~4 s longer)."""
+    """One segment from Q4_0 or Q8_0 parts of one type, their blocks repacked into panels in C on the kernels' threads
+    (through the affine form, a 3B file's first start took ~4 s longer)."""
     n, k, bits = stop - start, parts[0].shape[1], parts[0].bits
     panels = -(-n // PANEL)
     packed = np.zeros((panels, k * bits // 32, PANEL), dtype=np.uint32)
