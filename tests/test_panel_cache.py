@@ -5,16 +5,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 from bench_scripts import write_tiny
 
-from edgeserve.backends import panel_cache, qmatmul
+from edgeserve.backends import panel_cache, qmatmul, resident_weight_bytes
 from edgeserve.backends.qmatmul import QMatrix
 from edgeserve.config import EngineConfig
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.models import loader
 from edgeserve.models.loader import load_model
+from edgeserve.quant.gguf_file import read_gguf
 
 PROMPT = "The quick brown fox"
 
@@ -79,6 +81,29 @@ def test_a_miss_writes_the_cache_and_a_hit_maps_it_without_reading_the_weights(c
     np.testing.assert_array_equal(second, uncached)
     assert len(mapped_matrices(engine)) == 2 + 4 * 8
     assert list(cache_home.glob("*.panels")) == files
+
+
+def test_counting_a_models_quantized_bytes_converts_no_matrix(tmp_path, model_path, monkeypatch):
+    """The resident bytes `edgeserve info` prints for a Q4_0 file come from its blocks as they are (counting them
+    converted every matrix: 8.5 s and 3.4 GB for a 3B file): the Q4_0 values and scales exactly, as prepare holds
+    them (no biases), the Q6_K head at 212 bytes a super-block, the rest float32."""
+    path = write_tiny(tmp_path / "q4_0.gguf", "q4_0", model_path)
+    expected = 0
+    for t in read_gguf(path).tensors.values():
+        values = int(np.prod(t.shape))
+        if len(t.shape) == 2 and t.qtype == gguf.GGMLQuantizationType.Q6_K:
+            expected += values // 256 * 212
+        else:
+            expected += t.data.nbytes if len(t.shape) == 2 else 4 * values
+
+    def no_conversion(t):  # K-quants pass through as their blocks
+        if len(t.shape) == 2 and t.qtype != gguf.GGMLQuantizationType.Q6_K:
+            raise AssertionError(f"{t.name} converted to count its bytes")
+        return real(t)
+
+    real = loader.gguf_tensor_to_array
+    monkeypatch.setattr(loader, "gguf_tensor_to_array", no_conversion)
+    assert resident_weight_bytes(load_model(str(path)), "quantized") == expected
 
 
 def test_a_changed_model_file_misses_and_replaces_its_cache(cache_home, model_file, tmp_path, model_path):

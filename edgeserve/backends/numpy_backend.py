@@ -67,7 +67,7 @@ def resident_weight_bytes(model: Any, mode: str) -> int:
     total = 0
     for w in model.weights.values():
         if mode == "quantized" and isinstance(w, QUANTIZED):
-            total += qmatmul.quantized_nbytes(w)
+            total += qmatmul.quantized_nbytes(_materialized(w))  # a GGUF file's blocks, never converted to count them
         else:
             total += 4 * int(np.prod(w.shape))
     if mode == "float32" and "lm_head.weight" not in model.weights:

@@ -167,11 +167,14 @@ def prepare(parts: list[Weight]) -> QMatrix:
     return QMatrix(segments, k)
 
 
-def quantized_nbytes(w: QuantizedTensor | KQuantTensor) -> int:
+def quantized_nbytes(w: QuantizedTensor | SymmetricBlocks | KQuantTensor) -> int:
     """Bytes `prepare` holds for one quantized weight at most, panel padding aside (symmetric groups
     hold no biases)."""
     if isinstance(w, QuantizedTensor):
         return w.weight.nbytes + w.scales.nbytes + w.biases.nbytes
+    if isinstance(w, SymmetricBlocks):  # the values, and a float16 scale a group
+        rows, cols = w.shape
+        return rows * (cols * w.bits // 8 + 2 * (cols // w.group_size))
     rows, cols = w.shape
     groups = cols // w.group_size
     int_scales = groups if w.qtype == gguf.GGMLQuantizationType.Q6_K else 2 * groups  # Q6_K's m is its sc
