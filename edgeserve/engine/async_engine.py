@@ -219,6 +219,9 @@ class AsyncEngine:
                         self._engine.abort(rid)
                         self._deliver(EdgeserveError(f"engine step failed: {exc}"), rid)
                     outputs = []
+                if any(out.finished for out in outputs):  # before the answers go out: who reads them, reads these
+                    self._stats = self._engine.stats()
+                    taken = time.perf_counter()
                 for out in outputs:
                     self._deliver(out, out.request_id)
             if time.perf_counter() - taken >= STATS_EVERY:
