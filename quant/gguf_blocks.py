@@ -15,9 +15,8 @@ writes Q5_0 for the matrices of widths K-quants do not divide, as in Gemma 3 270
 
 A Q4_0 or Q8_0 matrix can also stay as its blocks (SymmetricBlocks): the CPU kernels repack those
 straight into their panels, the affine form never built. 2-D Q4_K/Q5_K/Q6_K tensors stay as their
-blocks (a KQuantTensor, see quant/kquants.py). Every
-other type GGUF's own library can dequantize (1-D K-quants, ...) comes back as float32; whether
-to requantize it is the caller's choice.
+blocks (a KQuantTensor, see quant/kquants.py). Every other type GGUF's own library can dequantize
+(1-D K-quants, ...) comes back as float32; whether to requantize it is the caller's choice.
 """
 
 from __future__ import annotations
