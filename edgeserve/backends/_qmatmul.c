@@ -1602,6 +1602,12 @@ static inline uint32_t kernel_word(uint32_t x, int bits) {
     return (x & 0xFF0000FFu) | ((x & 0x0000FF00u) << 8) | ((x >> 8) & 0x0000FF00u);
 }
 
+/* Whether b is C-contiguous uint32 panels [panels, W, 16] holding rows row0..row0+n-1. */
+static int panels_fit(const Py_buffer *b, Py_ssize_t W, Py_ssize_t row0, Py_ssize_t n) {
+    return qm_is_u32(b) && b->ndim == 3 && PyBuffer_IsContiguous(b, 'C') && b->shape[1] == W && b->shape[2] == PANEL &&
+           row0 >= 0 && row0 + n <= b->shape[0] * PANEL;
+}
+
 /* panel_words(words, out, bits, row0): a matrix part's MLX-packed words [n, W] into the panels out
    [panels, W, 16] at rows row0..row0+n-1, in the kernels' order (prepare's repacking, in one pass). */
 static PyObject *py_panel_words(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -1620,9 +1626,8 @@ static PyObject *py_panel_words(PyObject *self, PyObject *const *args, Py_ssize_
     held++;
     Py_buffer *bw = &b[0], *bo = &b[1];
     const Py_ssize_t n = bw->ndim == 2 ? bw->shape[0] : 0, W = bw->ndim == 2 ? bw->shape[1] : 0;
-    if ((bits != 4 && bits != 8) || !qm_is_u32(bw) || !qm_is_u32(bo) || bw->ndim != 2 || bo->ndim != 3 ||
-        !PyBuffer_IsContiguous(bw, 'C') || !PyBuffer_IsContiguous(bo, 'C') || bo->shape[1] != W ||
-        bo->shape[2] != PANEL || row0 < 0 || row0 + n > bo->shape[0] * PANEL) {
+    if ((bits != 4 && bits != 8) || !qm_is_u32(bw) || bw->ndim != 2 || !PyBuffer_IsContiguous(bw, 'C') ||
+        !panels_fit(bo, W, row0, n)) {
         PyErr_SetString(PyExc_ValueError, "panel_words: bad bits, shapes, strides or types");
         goto fail;
     }
@@ -1759,10 +1764,7 @@ static PyObject *py_block_words(PyObject *self, PyObject *const *args, Py_ssize_
     const Py_ssize_t n = bb->ndim == 2 ? bb->shape[0] : 0, row_bytes = bb->ndim == 2 ? bb->shape[1] : 0;
     const Py_ssize_t blocks = row_bytes / block_bytes, K = blocks * values, W = K * bits / 32, HW = K * hbits / 32;
     if (bb->ndim != 2 || bb->itemsize != 1 || !PyBuffer_IsContiguous(bb, 'C') || row_bytes % block_bytes ||
-        !qm_is_u32(bo) || bo->ndim != 3 || !PyBuffer_IsContiguous(bo, 'C') || bo->shape[1] != W ||
-        bo->shape[2] != PANEL || row0 < 0 || row0 + n > bo->shape[0] * PANEL ||
-        (bh && (!qm_is_u32(bh) || bh->ndim != 3 || !PyBuffer_IsContiguous(bh, 'C') || bh->shape[0] != bo->shape[0] ||
-                bh->shape[1] != HW || bh->shape[2] != PANEL))) {
+        !panels_fit(bo, W, row0, n) || (bh && (!panels_fit(bh, HW, row0, n) || bh->shape[0] != bo->shape[0]))) {
         PyErr_SetString(PyExc_ValueError, "block_words: bad type, shapes, strides or dtypes");
         goto fail;
     }

@@ -299,16 +299,12 @@ def _pack(parts: list[Weight], start: int, stop: int) -> _Segment:
         # each word reordered straight into its panel in C, one pass (through _panel_words a 3B file's first start
         # took ~9 s longer)
         packed = np.zeros((panels, k * bits // 32, PANEL), dtype=np.uint32)
-        row = 0
-        for p in parts:
+        for p, row in _first_rows(parts):
             _ext.panel_words(np.ascontiguousarray(p.weight, dtype=np.uint32), packed, bits, row)
-            row += p.shape[0]
     else:
         q = np.zeros((panels * PANEL, k), dtype=np.uint8)
-        row = 0
-        for p in parts:
+        for p, row in _first_rows(parts):
             q[row : row + p.shape[0]] = unpack(p.weight, p.bits)
-            row += p.shape[0]
         packed = _panel_words(q, bits, panels)
     scales, biases = _panel_scales(scales, biases, panels)
     center = _center(scales, biases, bits)
@@ -318,15 +314,13 @@ def _pack(parts: list[Weight], start: int, stop: int) -> _Segment:
 def _pack_blocks(parts: list[SymmetricBlocks], start: int, stop: int) -> _Segment:
     """One segment from Q4_0 or Q8_0 parts of one type, their blocks repacked into panels in C on the kernels' threads
     (through the affine form, a 3B file's first start took ~4 s longer)."""
-    n, k, bits = stop - start, parts[0].shape[1], parts[0].bits
+    n, k, first = stop - start, parts[0].shape[1], parts[0]
     panels = -(-n // PANEL)
-    packed = np.zeros((panels, k * bits // 32, PANEL), dtype=np.uint32)
-    row = 0
-    for p in parts:
+    packed = np.zeros((panels, k * first.bits // 32, PANEL), dtype=np.uint32)
+    for p, row in _first_rows(parts):
         _ext.block_words(p.blocks, int(p.qtype), packed, None, row)
-        row += p.shape[0]
     scales = _panel_rows([p.scales() for p in parts], panels, np.float16)
-    return _Segment(start, stop, bits, p.group_size, packed, scales, None, center=p.center)
+    return _Segment(start, stop, first.bits, first.group_size, packed, scales, None, center=first.center)
 
 
 def _pack_kquants(parts: list[KQuantTensor], start: int, stop: int) -> _Segment:
@@ -338,10 +332,8 @@ def _pack_kquants(parts: list[KQuantTensor], start: int, stop: int) -> _Segment:
     if _ext is not None:  # the blocks' values straight into panels (in NumPy: 7 of a 1B Q4_K_M file's 9 s first start)
         packed = np.zeros((panels, k // 8, PANEL), dtype=np.uint32)
         hi = np.zeros((panels, k * hbits // 32, PANEL), dtype=np.uint32) if hbits else None
-        row = 0
-        for p in parts:
+        for p, row in _first_rows(parts):
             _ext.block_words(p.blocks, int(p.qtype), packed, hi, row)
-            row += p.shape[0]
     else:
         q = np.zeros((panels * PANEL, k), dtype=np.uint8)
         q[:n] = np.concatenate([pl.q for pl in planes])
@@ -353,6 +345,12 @@ def _pack_kquants(parts: list[KQuantTensor], start: int, stop: int) -> _Segment:
     center = Q6_K_OFFSET if planes[0].m is None else 0
     return _Segment(start, stop, 4, parts[0].group_size, packed, d, dmin,
                     hbits=hbits, hi=hi, ksc=ksc, km=km, center=center)
+
+
+def _first_rows(parts: list[Weight]) -> list[tuple[Weight, int]]:
+    """Each part with the row of the stacked matrix it starts at."""
+    starts = np.cumsum([0] + [p.shape[0] for p in parts[:-1]])
+    return [(p, int(row)) for p, row in zip(parts, starts)]
 
 
 def _panel_words(q: np.ndarray, bits: int, panels: int) -> np.ndarray:
