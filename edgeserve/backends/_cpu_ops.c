@@ -752,20 +752,24 @@ static inline AVX512_TARGET __attribute__((always_inline)) void
 att_rows_avx512(const AttTask *t, const AttItem *its, int n, const int HV, float *state) {
     const int hd = 16 * HV, nh = its[0].nh;
     BlockState b;
-    size_t off[ATT_TILE], next[ATT_TILE];
+    size_t off[ATT_TILE], next[ATT_TILE], ahead[ATT_TILE];
     const float *kr[ATT_TILE], *vr[ATT_TILE];
     float kbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd], vbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd];
     block_start(&b, state, n, nh, hd);
     for (int t0 = its[0].t0; t0 < its[0].t1; t0 += ATT_TILE) {
         const int nt = tile_keys(&its[0], t0), n_next = tile_keys(&its[0], t0 + nt);
         for (int j = 0; j < n; j++) {
+            /* the first tile's next head has no tile before it to have fetched it */
+            const int n_ahead = t0 == its[0].t0 && j + 1 < n ? nt : 0;
             tile_offsets(t, &its[j], t0, nt, off);
             if (n_next > 0) tile_offsets(t, &its[j], t0 + nt, n_next, next);
+            if (n_ahead > 0) tile_offsets(t, &its[j + 1], t0, n_ahead, ahead);
             tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats_avx2);
             __m512 q[ATT_GROUP][ATT_MAX_HD / 16];
             for (int g = 0; g < nh; g++) scaled_q512(t, its[j].s, its[j].h0 + g, HV, q[g]);
             for (int i = 0; i < nt; i += 4) {
                 prefetch_rows(t, next, i, i + 4 < n_next ? i + 4 : n_next);
+                prefetch_rows(t, ahead, i, i + 4 < n_ahead ? i + 4 : n_ahead);
                 for (int g = 0; g < nh; g++) scores4_512(q[g], kr, i, HV, b.sc[j][g]);
             }
             for (int g = 0; g < nh; g++) b.alpha[j][g] = softmax_tile512(b.sc[j][g], nt, &b.m[j][g], &b.l[j][g]);
