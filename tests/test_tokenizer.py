@@ -94,7 +94,8 @@ def test_detokenizer_flush_releases_an_incomplete_tail(smollm2):
     assert detok.flush() == smollm2.decode([first_byte_token])
 
 
-def test_detokenizer_decodes_a_bounded_window(smollm2, monkeypatch):
+@pytest.mark.parametrize("streaming", [True, False], ids=["library-stream", "window"])
+def test_detokenizer_decodes_a_bounded_window(smollm2, monkeypatch, streaming):
     ids = smollm2.encode("The quick brown fox jumps over the lazy dog. 東京 🙂 " * 40)
     expected = smollm2.decode(ids, skip_special_tokens=True)
     window_sizes = []
@@ -105,10 +106,21 @@ def test_detokenizer_decodes_a_bounded_window(smollm2, monkeypatch):
         return decode(token_ids, skip_special_tokens)
 
     monkeypatch.setattr(smollm2, "decode", recording_decode)
+    if not streaming:  # as for a sentencepiece vocabulary
+        monkeypatch.setattr(smollm2, "decode_stream", lambda skip_special_tokens=False: None)
     detok = IncrementalDetokenizer(smollm2)
     text = "".join(detok.add(i) for i in ids) + detok.flush()
     assert text == expected
-    assert len(ids) > 500 and max(window_sizes) <= 10
+    assert len(ids) > 500 and max(window_sizes, default=0) <= 10
+    # the library's stream decodes every id itself: no window decodes; the window path decodes two per id
+    assert len(window_sizes) == 0 if streaming else len(window_sizes) >= 2 * len(ids)
+
+
+def test_detokenizer_flush_after_a_skipped_special_token(smollm2):
+    ids = smollm2.encode("Hi<|im_end|>")
+    detok = IncrementalDetokenizer(smollm2, skip_special_tokens=True)
+    assert "".join(detok.add(i) for i in ids) == "Hi"
+    assert detok.flush() == ""
 
 
 # --- save_pretrained / from_dir ----------------------------------------------------------------

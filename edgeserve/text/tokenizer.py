@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -104,6 +104,11 @@ class _Codec(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str: ...
 
+    def decode_stream(self, skip_special_tokens: bool) -> Callable[[int], str | None] | None:
+        """A function taking one id at a time and returning the text it completes (None while a character is
+        split), as a full decode spells it; None where the library has none."""
+        ...
+
     def token_to_id(self, token: str) -> int | None: ...
 
     def id_to_token(self, token_id: int) -> str | None: ...
@@ -131,6 +136,10 @@ class _TokenizersCodec:
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool) -> Callable[[int], str | None]:
+        stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+        return lambda token_id: stream.step(self._tok, token_id)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -226,6 +235,9 @@ class _SentencePieceCodec:
         flush_run()
         return "".join(parts)
 
+    def decode_stream(self, skip_special_tokens: bool) -> None:
+        return None
+
     def token_to_id(self, token: str) -> int | None:
         if token in self._cut:
             return self._cut[token]
@@ -315,6 +327,11 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._codec.decode(list(ids), skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = False) -> Callable[[int], str | None] | None:
+        """Text one id at a time, as decode gives it (None while a character is split), kept by the library
+        (Hugging Face tokenizers' DecodeStream); None where the library keeps none (sentencepiece)."""
+        return self._codec.decode_stream(skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token's text, as decode([token_id]) gives it, remembered: logprobs name 21 tokens a token, mostly the
