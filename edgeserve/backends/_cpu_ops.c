@@ -236,6 +236,19 @@ INLINE int row_item(const AttTask *t, const AttBlock *b, int s, AttItem *it) {
     return 1;
 }
 
+/* A one-row item's shares of its KV heads (b->nkv of them, in head order) that have keys in its range, into rows;
+   returns how many. */
+INLINE int head_rows(const AttTask *t, const AttBlock *b, AttItem *rows) {
+    int nr = 0;
+    for (int j = 0; j < b->nkv; j++) {
+        AttBlock head = *b;
+        head.kv += j;
+        head.h0 += j * (t->H / t->n_kv);
+        nr += row_item(t, &head, b->s, &rows[nr]);
+    }
+    return nr;
+}
+
 /* Item `index`'s rows that have keys in its range, into rows (returns how many: a suffix of the item's rows,
    which are one key longer each); for an item of several rows, their K and V rows of the range (the last row's,
    which holds the others' keys) copied into this thread's stage as float32 (by `convert` from float16 or int8).
@@ -247,15 +260,7 @@ INLINE int block_rows(const AttTask *t, int index, void (*convert)(const char *,
     int nr = 0;
     *sk = *sv = NULL;
     *st0 = 0;
-    if (b->nkv > 1) {
-        for (int j = 0; j < b->nkv; j++) {
-            AttBlock head = *b;
-            head.kv += j;
-            head.h0 += j * (t->H / t->n_kv);
-            nr += row_item(t, &head, b->s, &rows[nr]);
-        }
-        return nr;
-    }
+    if (b->nkv > 1) return head_rows(t, b, rows);
     for (int s = b->s; s < b->s + b->nr; s++) nr += row_item(t, b, s, &rows[nr]);
     if (b->nr < 2 || nr == 0) return nr;
     const AttItem last = rows[nr - 1];
@@ -746,32 +751,34 @@ weighted_v_tile512(float (*acc)[ATT_MAX_HD], float (*sc)[ATT_TILE], const float 
    heads lie side by side in the pool, so the heads of a tile read whole blocks of it, where head after head
    read 256 bytes of every 2 KiB twice as slow (64 decode rows at 192 keys). A KV head's query heads score
    four keys each before the next four, so those keys are read while in L1 (head by head over the whole tile:
-   15-28% slower). Each head's arithmetic is the same whatever the heads beside it. state: ATT_BLOCK_STATE
-   floats, 64-byte aligned. */
+   15-28% slower). Each head's tile is fetched while the one before it computes: from its previous tile, and the
+   first tile from the previous item's last (after[0..n_after): the next item's shares, which the pool most likely
+   hands this thread next), where the next item's own first tile left all but one head cold. Each head's
+   arithmetic is the same whatever the heads beside it. state: ATT_BLOCK_STATE floats, 64-byte aligned. */
 static inline AVX512_TARGET __attribute__((always_inline)) void
-att_rows_avx512(const AttTask *t, const AttItem *its, int n, const int HV, float *state) {
+att_rows_avx512(const AttTask *t, const AttItem *its, int n, const AttItem *after, int n_after, const int HV,
+                float *state) {
     const int hd = 16 * HV, nh = its[0].nh;
     BlockState b;
-    size_t off[ATT_TILE], next[ATT_TILE], ahead[ATT_TILE];
+    size_t off[ATT_TILE], next[ATT_TILE];
     const float *kr[ATT_TILE], *vr[ATT_TILE];
     float kbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd], vbuf[t->kv_type == QM_KV_F32 ? 1 : ATT_TILE * hd];
     block_start(&b, state, n, nh, hd);
     for (int t0 = its[0].t0; t0 < its[0].t1; t0 += ATT_TILE) {
-        const int nt = tile_keys(&its[0], t0), n_next = tile_keys(&its[0], t0 + nt);
+        const int nt = tile_keys(&its[0], t0), last = t0 + nt >= its[0].t1;
         for (int j = 0; j < n; j++) {
-            /* the first tile's next head has no tile before it to have fetched it */
-            const int n_ahead = t0 == its[0].t0 && j + 1 < n ? nt : 0;
+            const AttItem *nx = !last ? &its[j] : j < n_after ? &after[j] : NULL;
+            const int next_t0 = last && nx ? nx->t0 : t0 + nt, n_next = nx ? tile_keys(nx, next_t0) : 0;
             tile_offsets(t, &its[j], t0, nt, off);
-            if (n_next > 0) tile_offsets(t, &its[j], t0 + nt, n_next, next);
-            if (n_ahead > 0) tile_offsets(t, &its[j + 1], t0, n_ahead, ahead);
+            if (n_next > 0) tile_offsets(t, nx, next_t0, n_next, next);
             tile_rows(t, off, nt, kr, vr, kbuf, vbuf, kv_head_floats_avx2);
             __m512 q[ATT_GROUP][ATT_MAX_HD / 16];
             for (int g = 0; g < nh; g++) scaled_q512(t, its[j].s, its[j].h0 + g, HV, q[g]);
             for (int i = 0; i < nt; i += 4) {
                 prefetch_rows(t, next, i, i + 4 < n_next ? i + 4 : n_next);
-                prefetch_rows(t, ahead, i, i + 4 < n_ahead ? i + 4 : n_ahead);
                 for (int g = 0; g < nh; g++) scores4_512(q[g], kr, i, HV, b.sc[j][g]);
             }
+            if (n_next > nt) prefetch_rows(t, next, nt, n_next);
             for (int g = 0; g < nh; g++) b.alpha[j][g] = softmax_tile512(b.sc[j][g], nt, &b.m[j][g], &b.l[j][g]);
             weighted_v_tile512(b.acc[j], b.sc[j], b.alpha[j], vr, nt, nh, HV);
         }
@@ -825,11 +832,13 @@ static AVX512_TARGET void att_item_avx512(const void *ctx, int index) {
     float *state = att_stage(t) + 2 * ATT_SPLIT * (size_t)t->hd;
     if (nr == 0) return;
     if (!sk) {
-        prefetch_next_item(t, index);
+        AttItem after[ATT_BLOCK];
+        const int n_after =
+            index + 1 < t->n_items && t->items[index + 1].nr == 1 ? head_rows(t, &t->items[index + 1], after) : 0;
         switch (t->hd) {
-        case 64: att_rows_avx512(t, rows, nr, 4, state); break;
-        case 128: att_rows_avx512(t, rows, nr, 8, state); break;
-        default: att_rows_avx512(t, rows, nr, t->hd / 16, state); break;
+        case 64: att_rows_avx512(t, rows, nr, after, n_after, 4, state); break;
+        case 128: att_rows_avx512(t, rows, nr, after, n_after, 8, state); break;
+        default: att_rows_avx512(t, rows, nr, after, n_after, t->hd / 16, state); break;
         }
         return;
     }
