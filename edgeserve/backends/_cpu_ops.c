@@ -751,10 +751,10 @@ weighted_v_tile512(float (*acc)[ATT_MAX_HD], float (*sc)[ATT_TILE], const float 
    heads lie side by side in the pool, so the heads of a tile read whole blocks of it, where head after head
    read 256 bytes of every 2 KiB twice as slow (64 decode rows at 192 keys). A KV head's query heads score
    four keys each before the next four, so those keys are read while in L1 (head by head over the whole tile:
-   15-28% slower). Each head's tile is fetched while the one before it computes: from its previous tile, and the
-   first tile from the previous item's last (after[0..n_after): the next item's shares, which the pool most likely
-   hands this thread next), where the next item's own first tile left all but one head cold. Each head's
-   arithmetic is the same whatever the heads beside it. state: ATT_BLOCK_STATE floats, 64-byte aligned. */
+   15-28% slower). Each head's next tile is fetched while its current one computes; in the item's last tile that
+   is the next item's first (after[0..n_after): its shares, which the pool most likely hands this thread next), so
+   an item starts with its keys on their way, where it used to start with one head's first tile fetched. Each
+   head's arithmetic is the same whatever the heads beside it. state: ATT_BLOCK_STATE floats, 64-byte aligned. */
 static inline AVX512_TARGET __attribute__((always_inline)) void
 att_rows_avx512(const AttTask *t, const AttItem *its, int n, const AttItem *after, int n_after, const int HV,
                 float *state) {
