@@ -41,3 +41,10 @@ def test_startup_rows_compare_seconds_and_memory_per_file_byte():
 def test_an_unknown_model_name_is_a_usage_error(tmp_path):
     with pytest.raises(compare.click.UsageError, match="not a catalog name"):
         compare.resolve_model(str(tmp_path / "missing.gguf"))
+
+
+def test_the_server_runs_cold_as_llama_server_does(tmp_path):
+    bench = compare.Bench(tmp_path / "m.gguf", tmp_path, 2, "auto", None, "1GiB", "auto", progress=None)
+    command = bench.edgeserve_serve(8123)
+    assert command[command.index("--prefix-cache-disk") + 1] == "0"
+    assert command[-2:] == ["--port", "8123"] and "serve" in command
