@@ -172,11 +172,10 @@ def quantized_nbytes(w: QuantizedTensor | SymmetricBlocks | KQuantTensor) -> int
     hold no biases)."""
     if isinstance(w, QuantizedTensor):
         return w.weight.nbytes + w.scales.nbytes + w.biases.nbytes
-    if isinstance(w, SymmetricBlocks):  # the values, and a float16 scale a group
-        rows, cols = w.shape
-        return rows * (cols * w.bits // 8 + 2 * (cols // w.group_size))
     rows, cols = w.shape
     groups = cols // w.group_size
+    if isinstance(w, SymmetricBlocks):  # the values, and a float16 scale a group
+        return rows * (cols * w.bits // 8 + 2 * groups)
     int_scales = groups if w.qtype == gguf.GGMLQuantizationType.Q6_K else 2 * groups  # Q6_K's m is its sc
     return rows * (cols * w.bits // 8 + int_scales + 4 * (cols // SUPER))
 
