@@ -19,7 +19,7 @@ from edgeserve.engine.prompts import Prompts
 from edgeserve.engine.sampler import check_guess
 from edgeserve.engine.sequence import Sequence
 from edgeserve.engine.speculative import (DECAY, EXPLORE_DRAFT, EXPLORE_EVERY, MIN_SAMPLES, Speculator, StepCost,
-                                          lookup_draft)
+                                          best_draft, lookup_draft)
 from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import InvalidParamsError, SamplingParams
 
@@ -148,6 +148,20 @@ def test_auto_stops_drafting_where_rows_are_expensive():
     assert 1 <= len(propose(4, rows=1)) < 8  # acceptance 0.8 pays alone, a short draft best
     assert propose(4, rows=16) == []  # but not where the batch already makes each row cost
     assert len(propose(5, rows=1)) == 8  # all guesses right: all of them
+
+
+def test_auto_drafts_as_far_as_its_guesses_usually_run():
+    # checks of eight guesses whose first five were right and the sixth wrong: pooled, 83% of guesses are right,
+    # which prices a long draft as a gamble at every place; by place, the first five are near certain
+    spec = Speculator("auto", cost=trained_cost(lambda rows: 10 + 4 * rows))
+    seq = Sequence("s", list(REPEATS), SamplingParams())
+    history(seq, spec, 8, 5, checks=6)
+    alphas = seq.draft_state.acceptances(8)
+    assert min(alphas[:5]) > 0.9 and alphas[5] < 0.25
+    assert seq.draft_state.acceptance == pytest.approx(31 / 38)
+    assert spec.propose(seq, 8, rows=1, decodes=1) == list(range(3, 8))
+    times = spec.cost.times(1, 8)
+    assert best_draft([seq.draft_state.acceptance] * 8, 1, times)[0] < 5  # what the pooled figure advised
 
 
 def test_auto_tries_a_short_draft_now_and_then():

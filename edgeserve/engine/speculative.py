@@ -22,7 +22,7 @@ checking, its time per guess counted in the step's.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,6 +44,7 @@ EXPLORE_EVERY = 64  # steps between tries of a draft the estimates say does not 
 HOPELESS_EVERY = 16 * EXPLORE_EVERY  # and where even guesses all right would not pay for the time they take to make
 FIRST_CHECKS = 2  # drafts each sequence may try before its acceptance is trusted (of each drafter)
 DECAY = 0.9  # weight an acceptance record keeps at each step with a draft to propose (a draft model's: each check)
+PRIOR_CHECKS = 2  # checks' worth of weight the pooled acceptance has in each draft position's own
 MARGIN = 0.05  # more tokens a second a draft must promise than none: a check's host work (its rows' sampling,
 # the rollback) is not in the step time the estimates are made of
 PENDING = -1  # a place in a draft the draft model fills once the step is scheduled (Speculator.propose)
@@ -72,10 +73,11 @@ def lookup_draft(tokens: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int =
     return []
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a step gives a sequence checking a draft of k guesses, each right with probability alpha (the first
-    wrong one ends the run; its row, or the last, still samples one token): 1 + alpha + ... + alpha^k."""
-    return float(sum(alpha**i for i in range(k + 1)))
+def expected_tokens(alphas: list[float], k: int) -> float:
+    """Tokens a step gives a sequence checking a draft of k guesses, guess i right with probability alphas[i] once
+    those before it were (the first wrong one ends the run; its row, or the last, still samples one token):
+    1 + a0 + a0 a1 + ... + a0 ... a(k-1)."""
+    return float(1 + np.cumprod(alphas[:k]).sum())
 
 
 class StepCost:
@@ -132,19 +134,55 @@ class StepCost:
 
 @dataclass
 class DraftState:
-    """One sequence's drafting record: its acceptance, decayed (see DECAY), and the engine's counts."""
+    """One sequence's drafting record: by place in a draft, how often a guess there was judged (every guess before
+    it right) and how often it was right, decayed (see DECAY); and the engine's counts."""
 
-    hits: float = 0.0  # guesses accepted
-    misses: float = 0.0  # guesses rejected (at most one a check: the rest of that draft was never judged)
+    judged: list[float] = field(default_factory=list)
+    right: list[float] = field(default_factory=list)
     checks: int = 0
     drafted: int = 0
     accepted: int = 0
+
+    @property
+    def hits(self) -> float:
+        return sum(self.right)
+
+    @property
+    def misses(self) -> float:
+        """Guesses rejected: at most one a check, the rest of that draft never judged."""
+        return sum(self.judged) - self.hits
 
     @property
     def acceptance(self) -> float:
         """The chance its next guess is right, were each guess right independently (a prior of one hit and one
         miss, which old evidence fades back to: text that stopped repeating its input may start again)."""
         return (self.hits + 1) / (self.hits + self.misses + 2)
+
+    def acceptances(self, k: int) -> list[float]:
+        """For the first k places of a draft, the chance a guess there is right once those before it were: each
+        place's own record, drawn toward the pooled acceptance where it is thin. Guesses are not independent:
+        copied text whose first guesses matched mostly matches on (the default model quoting a document: 69% of
+        guesses right, but 6.5 tokens a check of eight), which a single acceptance prices at 4.9."""
+        pooled = self.acceptance
+        return [(self.right[i] + PRIOR_CHECKS * pooled) / (self.judged[i] + PRIOR_CHECKS) if i < len(self.judged)
+                else pooled for i in range(k)]
+
+    def fade(self) -> None:
+        self.judged = [n * DECAY for n in self.judged]
+        self.right = [n * DECAY for n in self.right]
+
+    def add(self, drafted: int, accepted: int) -> None:
+        """Count a check of `drafted` guesses whose first `accepted` were right."""
+        judged = min(drafted, accepted + 1)
+        while len(self.judged) < judged:
+            self.judged.append(0.0)
+            self.right.append(0.0)
+        for i in range(judged):
+            self.judged[i] += 1
+            self.right[i] += i < accepted
+        self.checks += 1
+        self.drafted += drafted
+        self.accepted += accepted
 
 
 class Speculator:
@@ -202,16 +240,16 @@ class Speculator:
         step's expected tokens per second with them (-1 for a try). fade: the record fades at this step (prompt
         lookup's; a draft model's fades at its checks, see record)."""
         if fade:
-            state.hits, state.misses = state.hits * DECAY, state.misses * DECAY
+            state.fade()
         times = self.cost.times(rows, most)
-        k, rate = (0, 0.0) if times is None or per_guess is None else best_draft(state.acceptance, decodes, times,
-                                                                              per_guess)
+        k, rate = (0, 0.0) if times is None or per_guess is None else best_draft(state.acceptances(most), decodes,
+                                                                              times, per_guess)
         # an estimate that never drafts could never learn otherwise: now and then, one short draft in a step (while an
         # estimate is missing, every other step, so the steps without it are timed too); far more rarely where even
         # guesses all right would not pay for the time they take to make (a draft model too slow here: its time is
         # measured again only so that one slow measurement cannot turn it off for good)
         due = EXPLORE_EVERY if times is not None and state.checks >= FIRST_CHECKS else 2
-        if times is not None and per_guess is not None and best_draft(1.0, decodes, times, per_guess)[0] == 0:
+        if times is not None and per_guess is not None and best_draft([1.0] * most, decodes, times, per_guess)[0] == 0:
             due = HOPELESS_EVERY
         if k == 0 and self._since_try[drafter] >= due:
             self._since_try[drafter] = 0
@@ -252,25 +290,22 @@ class Speculator:
         if by_model:
             # a draft model's acceptance changes little with the text, and where it does not pay it is checked only
             # now and then: faded at every step, its record would forget it between two tries
-            state.hits, state.misses = state.hits * DECAY, state.misses * DECAY
-        state.hits += accepted
-        state.misses += accepted < drafted
-        state.checks += 1
-        state.drafted += drafted
-        state.accepted += accepted
+            state.fade()
+        state.add(drafted, accepted)
         self.drafted += drafted
         self.accepted += accepted
         self.verify_steps += 1
 
 
-def best_draft(alpha: float, decodes: int, times: list[float], per_guess: float = 0.0) -> tuple[int, float]:
+def best_draft(alphas: list[float], decodes: int, times: list[float], per_guess: float = 0.0) -> tuple[int, float]:
     """The draft length k, 0..len(times) - 1, that maximizes the step's expected tokens per second, and that rate
-    (0 unless it beats no draft by MARGIN); the step takes times[k] seconds with it, and each guess per_guess seconds
-    more to make (a draft model's forward pass; prompt lookup's are free).
+    (0 unless it beats no draft by MARGIN), guess i right with probability alphas[i] once those before it were; the
+    step takes times[k] seconds with it, and each guess per_guess seconds more to make (a draft model's forward
+    pass; prompt lookup's are free).
 
     The step without this draft (times[0]) is taken to give one token per decoding sequence: drafts chosen
     earlier in the step count in its rows but not in its tokens, and prefill chunks scheduled after the decodes
     in neither, which both err toward drafting a little more than pays."""
-    rates = [(decodes - 1 + expected_tokens(alpha, k)) / max(t + per_guess * k, 1e-12) for k, t in enumerate(times)]
+    rates = [(decodes - 1 + expected_tokens(alphas, k)) / max(t + per_guess * k, 1e-12) for k, t in enumerate(times)]
     k = int(np.argmax(rates))
     return (k, rates[k]) if rates[k] > (1 + MARGIN) * rates[0] else (0, rates[0])
