@@ -69,8 +69,8 @@ def _print_table(title: str, runs: list[dict]) -> None:
 @click.option("--workload", "-w", type=click.Choice(WORKLOADS), default="all", show_default=True,
               help="single: one stream (prefill, decode); mixed: 64 varied requests, continuous vs static; "
                    "sweep: decode at 1-64 streams; prefix: 16 requests sharing a 1,500-token system prompt; "
-                   "speculative (not in all): tasks that copy their input and an open chat, one stream, with "
-                   "speculative decoding off, auto and ngram, and draft with --draft-model.")
+                   "speculative (not in all): tasks that copy their input and an open chat, one stream and then 16 "
+                   "at once, with speculative decoding off, auto and ngram, and draft with --draft-model.")
 @click.option("--max-batch", default=16, show_default=True, help="Max running sequences (both batching modes).")
 @click.option("--requests", "num_requests", default=64, show_default=True, help="Requests in the mixed workload.")
 @click.option("--max-output", default=512, show_default=True, help="Longest output in the mixed workload.")
@@ -166,9 +166,13 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
         results["prefix"] = workloads.run_shared_prefix(LLMEngine(loaded, config, draft), requests)
     if workload == "speculative":
         modes = ("off", "auto", "ngram") + (("draft",) if draft else ())
-        results["speculative"] = workloads.run_speculative(
-            lambda mode: LLMEngine(loaded, config, draft if mode in ("auto", "draft") else None, speculative=mode),
-            modes)
+        def make_engine(mode: str, max_num_seqs: int = max_batch) -> LLMEngine:
+            return LLMEngine(loaded, config, draft if mode in ("auto", "draft") else None, speculative=mode,
+                             max_num_seqs=max_num_seqs)
+
+        results["speculative"] = workloads.run_speculative(make_engine, modes)
+        results["speculative_batch"] = workloads.run_speculative_batch(lambda mode: make_engine(mode, 16), 16,
+                                                                       modes=modes)
     _emit(results, as_json)
 
 
@@ -229,5 +233,7 @@ def _emit(results: dict, as_json: bool) -> None:
             _print_table("decode throughput by concurrent streams", value)
         elif key == "speculative":
             _print_table("speculative decoding, one stream, greedy", value)
+        elif key == "speculative_batch":
+            _print_table("speculative decoding, 64 requests 16 at a time, greedy", value)
         elif isinstance(value, dict):
             _print_table(key, [value])

@@ -367,3 +367,15 @@ def test_the_speculative_benchmark_gives_each_task_the_same_answer_in_every_mode
     for row in rows:
         assert row["same_answer"] and row["output_tokens"] > 1
         assert row["off_decode_tokens_per_s"] > 0 and row["ngram_over_off"] > 0
+
+
+def test_the_speculative_benchmark_queues_each_mix_and_answers_alike_in_every_mode(tiny_model):
+    from edgeserve.bench.workloads import SPECULATIVE_MIXES, run_speculative_batch
+
+    rows = run_speculative_batch(lambda mode: make_engine(tiny_model, mode, max_num_seqs=2), streams=2, rounds=2,
+                                 max_tokens=16)
+    assert [r["name"] for r in rows] == [f"{mix}, 2 streams" for mix in SPECULATIVE_MIXES]
+    assert "open_chat" not in SPECULATIVE_MIXES["input-grounded"] and "open_chat" in SPECULATIVE_MIXES["mixed"]
+    for row in rows:
+        assert row["same_answers"] and row["output_tokens"] > 4
+        assert row["off_output_tokens_per_s"] > 0 and row["auto_over_off"] > 0 and row["ngram_over_off"] > 0

@@ -216,8 +216,10 @@ _RECORD_SCHEMA = {"type": "object", "properties": {
 # (where prompt lookup's guesses are right; one through a JSON schema, whose grammar checks each guess), and an
 # open-ended one (where they mostly are not, and speculation must not cost much).
 SPECULATIVE_TASKS: dict[str, tuple[str, dict]] = {
-    "code_edit": (f"Rewrite this Python function, renaming the variable `largest` to `biggest`. "
-                  f"Reply with the whole function only.\n\n```python\n{_CODE}```", {}),
+    # asked this way the default model writes the function out again (with "rewrite ... reply with the whole
+    # function only" it wrote six lines of its own)
+    "code_edit": (f"Here is a Python function:\n\n```python\n{_CODE}```\n\nRename the variable `largest` to "
+                  f"`biggest` everywhere in it and show the complete new function.", {}),
     "quote": (f"Here is a document:\n\n{_DOCUMENT}\n\nRepeat the document exactly, word for word.", {}),
     "json_copy": (f"Here is a record:\n\n{_RECORD}\n\nRepeat it as JSON.", {"json_schema": _RECORD_SCHEMA}),
     "open_chat": ("Write a short story about a fox who learns to paint.", {}),
@@ -257,5 +259,44 @@ def run_speculative(make_engine: Callable[[str], LLMEngine], modes: tuple[str, .
                 checks = st.draft_checks
                 row[f"{mode}_tokens_per_check"] = round(1 + st.accepted_draft_tokens / checks, 2) if checks else 0.0
         row["same_answer"] = len(answers) == 1
+        rows.append(row)
+    return rows
+
+
+# The 16-stream mixes: every task in turn, and the tasks that copy their input only.
+SPECULATIVE_MIXES = {"mixed": list(SPECULATIVE_TASKS), "input-grounded": [t for t in SPECULATIVE_TASKS if t != "open_chat"]}
+
+
+def run_speculative_batch(make_engine: Callable[[str], LLMEngine], streams: int = 16, rounds: int = 4,
+                          modes: tuple[str, ...] = ("off", "auto", "ngram"), max_tokens: int = 256) -> list[dict]:
+    """Each mix's greedy requests (its tasks in turn), rounds * streams of them queued at once on an engine running
+    `streams` at a time (make_engine's), so that a request that finishes early makes room for the next as on a busy
+    server, under each speculative mode ("off" first): output tokens per second over the whole run, and its ratio to
+    "off". (Were all of a mix's requests to start together and none to follow, the run would last as long as its
+    longest answer takes alone, however fast the others finish.)"""
+    from edgeserve.engine.prompts import Prompts
+
+    rows = []
+    for mix, tasks in tqdm(SPECULATIVE_MIXES.items(), desc=f"speculative, {streams} streams", unit="mix",
+                           leave=False):
+        row: dict = {"name": f"{mix}, {streams} streams"}
+        answers = set()
+        for mode in modes:
+            engine = make_engine(mode)
+            chat = Prompts.for_engine(engine).chat
+            start = time.perf_counter()
+            for i in range(rounds * streams):
+                content, extra = SPECULATIVE_TASKS[tasks[i % len(tasks)]]
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
+                engine.add_request(chat([{"role": "user", "content": content}]), params, str(i))
+            done = engine.run_to_completion()
+            wall = time.perf_counter() - start
+            tokens = sum(len(c.token_ids) for c in done.values())
+            answers.add(tuple(tuple(done[str(i)].token_ids) for i in range(rounds * streams)))
+            row["output_tokens"] = tokens
+            row[f"{mode}_output_tokens_per_s"] = round(tokens / wall, 1)
+            if mode != "off":
+                row[f"{mode}_over_off"] = round(tokens / wall / row["off_output_tokens_per_s"], 2)
+        row["same_answers"] = len(answers) == 1
         rows.append(row)
     return rows

@@ -73,13 +73,6 @@ def lookup_draft(tokens: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int =
     return []
 
 
-def expected_tokens(alphas: list[float], k: int) -> float:
-    """Tokens a step gives a sequence checking a draft of k guesses, guess i right with probability alphas[i] once
-    those before it were (the first wrong one ends the run; its row, or the last, still samples one token):
-    1 + a0 + a0 a1 + ... + a0 ... a(k-1)."""
-    return float(1 + np.cumprod(alphas[:k]).sum())
-
-
 class StepCost:
     """A step's time by its query rows: the median of the recent steps with as many rows, else read off the line
     through the medians of the nearby row counts above one (one row runs other kernels than several: a
@@ -89,10 +82,12 @@ class StepCost:
     def __init__(self, window: int = COST_WINDOW):
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._medians: dict[int, float] | None = None  # by row count, while no step is observed
+        self._times: dict[tuple[int, int], list[float] | None] = {}  # times() asked since, by its arguments
 
     def observe(self, rows: int, seconds: float) -> None:
         self._samples.append((rows, seconds))
         self._medians = None
+        self._times = {}
 
     def medians(self) -> dict[int, float]:
         """The median step time of each row count with enough recent steps to trust it."""
@@ -116,6 +111,11 @@ class StepCost:
 
     def times(self, rows: int, most: int) -> list[float] | None:
         """Estimated seconds of a step of rows, rows + 1, ..., rows + most rows; None until they can be told."""
+        if (rows, most) not in self._times:  # each sequence of a step asks
+            self._times[rows, most] = self._estimate(rows, most)
+        return self._times[rows, most]
+
+    def _estimate(self, rows: int, most: int) -> list[float] | None:
         medians = self.medians()
         # a long prefill chunk runs in another regime: only row counts near those asked about
         near = [(n, t) for n, t in medians.items() if max(2, rows // 2) <= n <= 2 * (rows + most)]
@@ -306,6 +306,10 @@ def best_draft(alphas: list[float], decodes: int, times: list[float], per_guess:
     The step without this draft (times[0]) is taken to give one token per decoding sequence: drafts chosen
     earlier in the step count in its rows but not in its tokens, and prefill chunks scheduled after the decodes
     in neither, which both err toward drafting a little more than pays."""
-    rates = [(decodes - 1 + expected_tokens(alphas, k)) / max(t + per_guess * k, 1e-12) for k, t in enumerate(times)]
+    ks = np.arange(len(times))
+    # a draft of k gives 1 + a0 + a0 a1 + ... + a0 ... a(k-1) tokens: the first wrong guess ends the run, and its row
+    # (or the last) still samples one
+    tokens = np.concatenate(([1.0], 1 + np.cumsum(np.cumprod(alphas[: len(times) - 1]))))
+    rates = (decodes - 1 + tokens) / np.maximum(np.asarray(times) + per_guess * ks, 1e-12)
     k = int(np.argmax(rates))
-    return (k, rates[k]) if rates[k] > (1 + MARGIN) * rates[0] else (0, rates[0])
+    return (k, float(rates[k])) if rates[k] > (1 + MARGIN) * rates[0] else (0, float(rates[0]))
