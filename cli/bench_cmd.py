@@ -69,8 +69,9 @@ def _print_table(title: str, runs: list[dict]) -> None:
 @click.option("--workload", "-w", type=click.Choice(WORKLOADS), default="all", show_default=True,
               help="single: one stream (prefill, decode); mixed: 64 varied requests, continuous vs static; "
                    "sweep: decode at 1-64 streams; prefix: 16 requests sharing a 1,500-token system prompt; "
-                   "speculative (not in all): tasks that copy their input and an open chat, one stream and then 16 "
-                   "at once, with speculative decoding off, auto and ngram, and draft with --draft-model.")
+                   "speculative (not in all): tasks that copy their input and an open chat, one stream and then 64 "
+                   "requests 16 at a time, with speculative decoding off, auto and ngram, and draft with "
+                   "--draft-model.")
 @click.option("--max-batch", default=16, show_default=True, help="Max running sequences (both batching modes).")
 @click.option("--requests", "num_requests", default=64, show_default=True, help="Requests in the mixed workload.")
 @click.option("--max-output", default=512, show_default=True, help="Longest output in the mixed workload.")
@@ -166,6 +167,7 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
         results["prefix"] = workloads.run_shared_prefix(LLMEngine(loaded, config, draft), requests)
     if workload == "speculative":
         modes = ("off", "auto", "ngram") + (("draft",) if draft else ())
+
         def make_engine(mode: str, max_num_seqs: int = max_batch) -> LLMEngine:
             return LLMEngine(loaded, config, draft if mode in ("auto", "draft") else None, speculative=mode,
                              max_num_seqs=max_num_seqs)
