@@ -948,10 +948,6 @@ static inline AVX512_TARGET __attribute__((always_inline)) __m512i bcast32_512(c
 static inline AVX512_TARGET __attribute__((always_inline)) void
 avx512_nibbles(__m512i v, __m512i hw, const int j, const int HB, __m512i *lo, __m512i *hi) {
     const __m512i m0f = _mm512_set1_epi8(0x0f);
-    /* v in a register: gcc otherwise folds the load into both the and and the shift, and a zmm load
-       takes Zen 4's whole load width for a cycle (1-row Q4_K in L2: 35 -> 43 GB/s; 64 rows of 1B
-       Q4_K_M end to end 4-10% faster) */
-    __asm__("" : "+v"(v));
     *lo = _mm512_and_si512(v, m0f);
     *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m0f);
     if (HB) {
@@ -997,8 +993,7 @@ avx512_tile8(const Task *t, int p, int r0, const int RB, const int BITS, const i
 #pragma GCC unroll 8
         for (int j = 0; j < wpg; j++) {
             PREFETCH(wg + j * PANEL);
-            __m512i v = _mm512_loadu_si512(wg + j * PANEL);
-            __asm__("" : "+v"(v)); /* one load for the and and the shift, as in avx512_nibbles */
+            const __m512i v = _mm512_loadu_si512(wg + j * PANEL);
             if (BITS == 8) {
                 for (int r = 0; r < RB; r++)
                     acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], v, bcast32_512(x + (size_t)r * K + g * G + 4 * j));
