@@ -226,22 +226,28 @@ SPECULATIVE_TASKS: dict[str, tuple[str, dict]] = {
 }
 
 
+def speculative_request(engine: LLMEngine, task: str, max_tokens: int) -> tuple[list[int], SamplingParams]:
+    """A speculative task's chat prompt for engine, and its greedy sampling parameters."""
+    from edgeserve.engine.prompts import Prompts
+
+    content, extra = SPECULATIVE_TASKS[task]
+    ids = Prompts.for_engine(engine).chat([{"role": "user", "content": content}])
+    return ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
+
+
 def run_speculative(make_engine: Callable[[str], LLMEngine], modes: tuple[str, ...] = ("off", "auto", "ngram"),
                     max_tokens: int = 256, repeats: int = 2) -> list[dict]:
     """Each task's greedy answer, alone, under each speculative mode (the best of `repeats` runs each; "off" first):
     decode tokens/s, its ratio to "off", and how many guessed tokens were accepted."""
-    from edgeserve.engine.prompts import Prompts
-
     rows = []
-    for task, (content, extra) in tqdm(SPECULATIVE_TASKS.items(), desc="speculative", unit="task", leave=False):
+    for task in tqdm(SPECULATIVE_TASKS, desc="speculative", unit="task", leave=False):
         row: dict = {"name": task}
         answers = set()
         for mode in modes:
             best = 0.0
             for _ in range(repeats):
                 engine = make_engine(mode)
-                ids = Prompts.for_engine(engine).chat([{"role": "user", "content": content}])
-                engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra), task)
+                engine.add_request(*speculative_request(engine, task, max_tokens), task)
                 first, tokens = None, []
                 while engine.has_unfinished():
                     for out in engine.step():
@@ -264,7 +270,8 @@ def run_speculative(make_engine: Callable[[str], LLMEngine], modes: tuple[str, .
 
 
 # The 16-stream mixes: every task in turn, and the tasks that copy their input only.
-SPECULATIVE_MIXES = {"mixed": list(SPECULATIVE_TASKS), "input-grounded": [t for t in SPECULATIVE_TASKS if t != "open_chat"]}
+SPECULATIVE_MIXES = {"mixed": list(SPECULATIVE_TASKS),
+                     "input-grounded": [t for t in SPECULATIVE_TASKS if t != "open_chat"]}
 
 
 def run_speculative_batch(make_engine: Callable[[str], LLMEngine], streams: int = 16, rounds: int = 4,
@@ -274,8 +281,6 @@ def run_speculative_batch(make_engine: Callable[[str], LLMEngine], streams: int 
     server, under each speculative mode ("off" first): output tokens per second over the whole run, and its ratio to
     "off". (Were all of a mix's requests to start together and none to follow, the run would last as long as its
     longest answer takes alone, however fast the others finish.)"""
-    from edgeserve.engine.prompts import Prompts
-
     rows = []
     for mix, tasks in tqdm(SPECULATIVE_MIXES.items(), desc=f"speculative, {streams} streams", unit="mix",
                            leave=False):
@@ -283,12 +288,9 @@ def run_speculative_batch(make_engine: Callable[[str], LLMEngine], streams: int 
         answers = set()
         for mode in modes:
             engine = make_engine(mode)
-            chat = Prompts.for_engine(engine).chat
             start = time.perf_counter()
             for i in range(rounds * streams):
-                content, extra = SPECULATIVE_TASKS[tasks[i % len(tasks)]]
-                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
-                engine.add_request(chat([{"role": "user", "content": content}]), params, str(i))
+                engine.add_request(*speculative_request(engine, tasks[i % len(tasks)], max_tokens), str(i))
             done = engine.run_to_completion()
             wall = time.perf_counter() - start
             tokens = sum(len(c.token_ids) for c in done.values())
