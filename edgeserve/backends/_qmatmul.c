@@ -938,10 +938,18 @@ are the AVX2 path's (exact there too) and the floats are updated in the same ord
 give the same bits. 8-bit weights are dotted as the stored unsigned bytes, which is the AVX2 path's
 sum(signed weight * x) + 128 * sum(x). Layouts without a kernel here run the AVX2 one. */
 
-static inline AVX512_TARGET __attribute__((always_inline)) __m512i bcast32_512(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
+/* acc + the dot of w with the 4 bytes (dpbusd) or 2 int16 (dpwssd) at p in every lane, p read as the
+   instruction's broadcast operand ({1to16}). gcc 12 loads such a broadcast with a vpbroadcastd of its
+   own, an extra instruction beside each vpdpbusd: with it folded in, K-quant matmuls of 4-64 rows ran
+   2-9% faster on one thread (Zen 4), Q6_K's the most, the same bits. */
+typedef int32_t __attribute__((may_alias, aligned(1))) word32;
+static inline AVX512_TARGET __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, __m512i w, const void *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const word32 *)p));
+    return acc;
+}
+static inline AVX512_TARGET __attribute__((always_inline)) __m512i dpwssd_bcast(__m512i acc, __m512i w, const void *p) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const word32 *)p));
+    return acc;
 }
 
 /* avx2_nibbles on a whole panel: word j's low and high nibbles as bytes, each with its HB high bits. */
@@ -996,15 +1004,15 @@ avx512_tile8(const Task *t, int p, int r0, const int RB, const int BITS, const i
             const __m512i v = _mm512_loadu_si512(wg + j * PANEL);
             if (BITS == 8) {
                 for (int r = 0; r < RB; r++)
-                    acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], v, bcast32_512(x + (size_t)r * K + g * G + 4 * j));
+                    acc[r][0] = dpbusd_bcast(acc[r][0], v, x + (size_t)r * K + g * G + 4 * j);
                 continue;
             }
             const __m512i lo = _mm512_and_si512(v, m0f), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m0f);
 #pragma GCC unroll 8
             for (int r = 0; r < RB; r++) {
                 const int8_t *xr = x + (size_t)r * K + g * G + 8 * j;
-                acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], lo, bcast32_512(xr));
-                acc[r][NA - 1] = _mm512_dpbusd_epi32(acc[r][NA - 1], hi, bcast32_512(xr + 4));
+                acc[r][0] = dpbusd_bcast(acc[r][0], lo, xr);
+                acc[r][NA - 1] = dpbusd_bcast(acc[r][NA - 1], hi, xr + 4);
             }
         }
         __m512 s, b;
@@ -1105,16 +1113,15 @@ avx512_tile_sb(const Task *t, int p, int r, const int RB, const int HB, const in
 #pragma GCC unroll 4
                 for (int i = 0; i < RB; i++) {
                     const int8_t *xr = x + (size_t)i * K + (g + h) * G + 8 * j;
-                    dot[i][h] = _mm512_dpbusd_epi32(dot[i][h], lo, bcast32_512(xr));
-                    dot[i][h] = _mm512_dpbusd_epi32(dot[i][h], hi, bcast32_512(xr + 4));
+                    dot[i][h] = dpbusd_bcast(dot[i][h], lo, xr);
+                    dot[i][h] = dpbusd_bcast(dot[i][h], hi, xr + 4);
                 }
             }
         }
         for (int i = 0; i < RB; i++) {
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][0]), u->sc[g], acc[i]);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][1]), u->sc[g + 1], acc[i]);
-            mins[i] = _mm512_dpwssd_epi32(
-                mins[i], u->m[g / 2], bcast32_512((const int8_t *)(t->xi16 + (size_t)(r + i) * ng + sbk * gpb + g)));
+            mins[i] = dpwssd_bcast(mins[i], u->m[g / 2], t->xi16 + (size_t)(r + i) * ng + sbk * gpb + g);
         }
     }
     const size_t dofs = ((size_t)p * nsb + sbk) * PANEL;
