@@ -17,9 +17,10 @@ from edgeserve.engine.block_manager import blocks_for
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.engine.prompts import Prompts
 from edgeserve.engine.sampler import check_guess
+from edgeserve.engine.scheduler import ScheduledSeq
 from edgeserve.engine.sequence import Sequence
-from edgeserve.engine.speculative import (DECAY, EXPLORE_DRAFT, EXPLORE_EVERY, MIN_SAMPLES, Speculator, StepCost,
-                                          best_draft, lookup_draft)
+from edgeserve.engine.speculative import (DECAY, EXPLORE_DRAFT, EXPLORE_EVERY, JUDGE_EVERY, JUDGE_EVERY_PAYS, JUDGE_MIN,
+                                          MIN_SAMPLES, PromptLookup, Speculator, StepCost, best_draft)
 from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import InvalidParamsError, SamplingParams
 
@@ -77,6 +78,10 @@ def repetitive_prompts(tokenizer, n: int) -> list[list[int]]:
 
 # the drafter --------------------------------------------------------------------------------------------------
 
+def lookup_draft(tokens: list[int], k: int) -> list[int]:
+    return PromptLookup().draft(tokens, k)
+
+
 def test_lookup_draft_follows_the_most_recent_longest_match():
     assert lookup_draft([1, 2, 3, 9, 1, 2, 3, 8, 7, 1, 2, 3], k=2) == [8, 7]  # the later of two 3-token matches
     assert lookup_draft([5, 2, 3, 4, 6, 1, 3, 7, 2, 3], k=3) == [4, 6, 1]  # (2, 3) beats the later (3,)
@@ -84,6 +89,29 @@ def test_lookup_draft_follows_the_most_recent_longest_match():
     assert lookup_draft([1, 2, 3, 4], k=4) == []
     assert lookup_draft([7, 7, 7], k=4) == [7]  # the match may overlap the suffix
     assert lookup_draft([1, 2, 1, 2], k=0) == [] and lookup_draft([1], k=3) == []
+
+
+def scanned_draft(tokens: list[int], k: int) -> list[int]:
+    """Prompt lookup by a scan of the whole list, longest suffix first, latest occurrence first."""
+    for n in range(min(3, len(tokens) - 1), 0, -1):
+        for end in range(len(tokens) - 2, n - 2, -1):
+            if tokens[end - n + 1 : end + 1] == tokens[len(tokens) - n :]:
+                return tokens[end + 1 : end + 1 + k]
+    return []
+
+
+def test_prompt_lookup_indexes_the_tokens_as_they_grow_and_finds_what_a_scan_finds():
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        tokens = rng.integers(0, 4 + trial, 30).tolist()
+        lookup = PromptLookup()
+        for _ in range(60):
+            assert lookup.draft(tokens, 5) == scanned_draft(tokens, 5)
+            tokens.append(int(rng.integers(0, 4 + trial)))
+        del tokens[40:]  # a list that shrank (or another list) is indexed anew
+        assert lookup.draft(tokens, 5) == scanned_draft(tokens, 5)
+        other = tokens[::-1]
+        assert lookup.draft(other, 5) == scanned_draft(other, 5)
 
 
 def trained_cost(step_time, row_counts=range(1, 40)) -> StepCost:
@@ -197,6 +225,46 @@ def test_auto_tries_a_short_draft_now_and_then():
     spec.propose(seq, 8, rows=3, decodes=3)  # the record fades
     assert seq.draft_state.acceptance == pytest.approx((2 * DECAY + 1) / (3 * DECAY + 2))
     assert (seq.draft_state.drafted, seq.draft_state.accepted, seq.draft_state.checks) == (4, 2, 1)
+
+
+def test_auto_stops_drafting_in_batches_where_steps_with_drafts_gave_fewer_tokens_a_second():
+    """The judge compares whole steps at each batch size: where steps with drafts gave fewer tokens a second than
+    steps without, "auto" drafts in one step of JUDGE_EVERY only, however much its estimates promise; where they gave
+    more, it drafts in all but one of JUDGE_EVERY_PAYS; before both are measured, one step in JUDGE_EVERY goes
+    without drafts so that they are."""
+    spec = Speculator("auto", cost=trained_cost(lambda rows: 10 + 0.01 * rows))  # rows look free
+    seq = Sequence("s", list(REPEATS), SamplingParams())
+    history(seq, spec, 8, 8)
+
+    def steps(decodes: int, n: int, seconds_with: float) -> list[bool]:
+        """n steps of `decodes` sequences, seq's draft (if any) checked in each; whether each drafted."""
+        drafted = []
+        for _ in range(n):
+            draft = spec.propose(seq, 8, rows=decodes, decodes=decodes)
+            items = [ScheduledSeq(seq, 1 + len(draft), draft=draft)] + [
+                ScheduledSeq(Sequence(f"o{i}", [1, 2], SamplingParams()), 1) for i in range(decodes - 1)]
+            for item in items:  # each decodes its last token (and the draft after it)
+                item.seq.num_computed_tokens = item.seq.num_tokens - 1
+            spec.step_done(items, decodes + len(draft), seconds_with if draft else 1.0)
+            drafted.append(bool(draft))
+        return drafted
+
+    unknown = steps(16, 2 * JUDGE_EVERY, seconds_with=2.0)  # 16 + 8 tokens in 2 s: fewer a second than 16 in 1 s
+    assert unknown == [i % JUDGE_EVERY != JUDGE_EVERY - 1 for i in range(2 * JUDGE_EVERY)]
+    assert spec.judge.pays(16) is None  # two steps without drafts: not yet enough to judge
+    steps(16, JUDGE_EVERY * JUDGE_MIN, seconds_with=2.0)
+    assert spec.judge.pays(16) is False
+    losing = steps(16, 4 * JUDGE_EVERY, seconds_with=2.0)
+    assert sum(losing) == 4 and all(losing[i] for i in range(len(losing)) if (len(unknown) + JUDGE_EVERY * JUDGE_MIN + i)
+                                    % JUDGE_EVERY == JUDGE_EVERY - 1)
+    assert spec.judge.pays(2) is None and spec.propose(seq, 8, rows=2, decodes=2)  # another batch size: its own verdict
+    steps(2, 4 * JUDGE_EVERY * JUDGE_MIN, seconds_with=1.05)  # 2 + 8 tokens in 1.05 s against 2 in 1 s
+    assert spec.judge.pays(2) is True
+    paying = steps(2, 2 * JUDGE_EVERY_PAYS, seconds_with=1.05)
+    assert sum(paying) == 2 * JUDGE_EVERY_PAYS - 2
+    ngram = Speculator("ngram")
+    ngram.judge = spec.judge  # prompt lookup as asked drafts whatever the judge says
+    assert ngram.propose(seq, 8, rows=16, decodes=16) == list(range(3, 11))
 
 
 def test_which_requests_speculate():
@@ -314,6 +382,7 @@ def test_greedy_is_unchanged_on_the_real_model(loaded_model):
     # as on a GPU, whatever this CPU's steps take (each row count's median would soon be this CPU's)
     alone.speculator.cost = trained_cost(lambda rows: 0.01 + 1e-6 * rows)
     alone.speculator.cost.observe = lambda rows, seconds: None
+    alone.speculator.step_done = lambda scheduled, tokens, seconds: None  # nor what its steps gave
     assert run(alone, {"copy": requests["copy"]})["copy"] == off["copy"]
     assert alone.stats().accepted_draft_tokens > 10
     batched = make_engine(loaded_model, "ngram")
@@ -372,8 +441,14 @@ def test_the_speculative_benchmark_gives_each_task_the_same_answer_in_every_mode
 def test_the_speculative_benchmark_queues_each_mix_and_answers_alike_in_every_mode(tiny_model):
     from edgeserve.bench.workloads import SPECULATIVE_MIXES, run_speculative_batch
 
-    rows = run_speculative_batch(lambda mode: make_engine(tiny_model, mode, max_num_seqs=2), streams=2, rounds=2,
-                                 max_tokens=16)
+    made = []
+
+    def engine(mode: str) -> LLMEngine:
+        made.append(mode)
+        return make_engine(tiny_model, mode, max_num_seqs=2)
+
+    rows = run_speculative_batch(engine, streams=2, rounds=2, max_tokens=16, repeats=2)
+    assert made == ["off", "auto", "ngram"] * 2 * len(SPECULATIVE_MIXES)  # the modes take turns
     assert [r["name"] for r in rows] == [f"{mix}, 2 streams" for mix in SPECULATIVE_MIXES]
     assert "open_chat" not in SPECULATIVE_MIXES["input-grounded"] and "open_chat" in SPECULATIVE_MIXES["mixed"]
     for row in rows:

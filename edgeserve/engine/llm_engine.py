@@ -323,6 +323,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, update the sequences, and return each sampled request's output."""
+        began = time.perf_counter()
         self.profile.begin()
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -332,8 +333,15 @@ class LLMEngine:
         if drafts:
             self.drafter.fill(drafts)  # type: ignore[union-attr]
             self.profile.lap("draft")
-        if self._sampled_on_device(scheduled):
-            return self._device_step(scheduled)
+        outputs = self._device_step(scheduled) if self._sampled_on_device(scheduled) else self._host_step(scheduled)
+        tokens = sum(len(out.token_ids) for out in outputs)
+        self._count_outputs(tokens)
+        # whether drafting pays in a batch like this one is judged by what whole steps gave
+        self.speculator.step_done(scheduled, tokens, time.perf_counter() - began)
+        return outputs
+
+    def _host_step(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
+        """A step whose logits come to the host, sampled (and drafts checked) there."""
         self._drop_ahead()
         sampling = [item for item in scheduled if item.samples]
         plain = [item.seq for item in sampling if not item.draft]
@@ -362,7 +370,6 @@ class LLMEngine:
             else:
                 i = next(row)
                 outputs.append(self._output(item.seq, tokens[i], logprobs.get(i), failed.get(i)))
-        self._count_outputs(sum(len(out.token_ids) for out in outputs))
         self.profile.end("output")
         return outputs
 
@@ -438,7 +445,6 @@ class LLMEngine:
         self._ahead = ahead
         self._update(scheduled)
         outputs = [self._output(seq, token, None, None) for seq, token in zip(sampling, sampled)]
-        self._count_outputs(sum(len(out.token_ids) for out in outputs))
         self.profile.end("output")
         return outputs
 

@@ -11,7 +11,7 @@ from enum import Enum
 
 import numpy as np
 
-from edgeserve.engine.speculative import DraftState
+from edgeserve.engine.speculative import DraftState, PromptLookup
 from edgeserve.sampling_params import SamplingParams, generator_seed
 
 
@@ -37,6 +37,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full, computed blocks
     draft_state: DraftState = field(default_factory=DraftState)  # its speculative drafting record: prompt lookup's
     model_draft_state: DraftState = field(default_factory=DraftState)  # and the draft model's
+    lookup: PromptLookup = field(default_factory=PromptLookup)  # its tokens' n-grams, for prompt lookup's drafts
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
