@@ -61,7 +61,8 @@ typedef struct Task {
     const void *scales, *biases; /* biases NULL: -center * scale (QmMatrix) */
     float center;
     const int16_t *xq;  /* [R, K] int16 activations, or NULL */
-    const int8_t *x8;   /* [R, K] int8 activations in the weights' byte order (see quantize_rows8), or NULL */
+    const int8_t *x8;   /* [R, K] int8 activations in the weights' byte order (see quantize_rows8), or NULL;
+                           super-block-major [K / 256, R, 256] for the super-block kernels (sb_x) */
     const int32_t *xi;  /* [R, K / group] sum of a group's int8 activations (8-bit weights) */
     const int16_t *xi16; /* the same as int16, for the super-block path's vpmaddwd of two groups */
     const float *xd;    /* [R, K / group] activation scale per group */
@@ -78,6 +79,13 @@ typedef struct Task {
 } Task;
 
 typedef void (*kernel_fn)(const Task *, int p0, int p1, int r0, int r1);
+
+/* Row r's int8 activation k for the super-block kernels, whose rows' 256 values of a super-block lie side by
+   side: a tile's rows K bytes apart fell in a few L1 sets (K a multiple of 4 KiB: all in one), and 64-row K-quant
+   matmuls of a 1B model ran 7% faster with them adjacent. */
+static inline const int8_t *sb_x(const Task *t, int r, int k) {
+    return t->x8 + ((size_t)(k >> 8) * t->R + r) * 256 + (k & 255);
+}
 
 static inline float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -799,7 +807,6 @@ avx2_tile_sb(const Task *t, int p, int r0, const int RB, const int HB) {
     const int K = t->K, G = 32, ng = K / G, nsb = K / 256, FL = HB ? 2 : 4;
     const uint32_t *wp = t->w + (size_t)p * (K / 8) * PANEL;
     const uint32_t *hp = HB ? t->hw + (size_t)p * (K / 32) * PANEL : NULL;
-    const int8_t *x = t->x8 + (size_t)r0 * K;
     __m256 facc[2][4];
     for (int h = 0; h < 2; h++)
         for (int r = 0; r < RB; r++) facc[h][r] = _mm256_setzero_ps();
@@ -822,7 +829,7 @@ avx2_tile_sb(const Task *t, int p, int r0, const int RB, const int HB) {
                     avx2_nibbles(_mm256_loadu_si256((const __m256i *)(wg + j * PANEL + 8 * h)), hw[h], j, HB, &lo[h], &hi[h]);
 #pragma GCC unroll 4
                 for (int r = 0; r < RB; r++) {
-                    const int8_t *xr = x + (size_t)r * K + g * G + 8 * j;
+                    const int8_t *xr = sb_x(t, r0 + r, g * G + 8 * j);
                     const __m256i b0 = bcast32(xr), b1 = bcast32(xr + 4);
 #pragma GCC unroll 2
                     for (int h = 0; h < 2; h++) {
@@ -848,7 +855,6 @@ static inline AVX2_TARGET __attribute__((always_inline)) void
 avx2_tile_sb6(const Task *t, int p, int r0, const int RB) {
     const int K = t->K, G = 16, ng = K / G, nsb = K / 256;
     const uint32_t *wp = t->w + (size_t)p * (K / 8) * PANEL, *hp = t->hw + (size_t)p * (K / 16) * PANEL;
-    const int8_t *x = t->x8 + (size_t)r0 * K;
     __m256 facc[2][8];
     for (int h = 0; h < 2; h++)
         for (int r = 0; r < RB; r++) facc[h][r] = _mm256_setzero_ps();
@@ -867,7 +873,7 @@ avx2_tile_sb6(const Task *t, int p, int r0, const int RB) {
                                  &lo, &hi);
 #pragma GCC unroll 8
                     for (int r = 0; r < RB; r++) {
-                        const int8_t *xr = x + (size_t)r * K + g * G + 8 * j;
+                        const int8_t *xr = sb_x(t, r0 + r, g * G + 8 * j);
                         const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast32(xr)),
                                                            _mm256_maddubs_epi16(hi, bcast32(xr + 4)));
                         acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(d, sc));
@@ -1075,7 +1081,7 @@ static inline AVX512_TARGET __attribute__((always_inline)) void
 avx512_tile_sb(const Task *t, int p, int r, const int RB, const int HB, const int PRE, int sbk, const SuperBlock *u,
                __m512 *facc, int r0) {
     const int G = HB == 2 ? 16 : 32, wpg = G / 8, K = t->K, ng = K / G, nsb = K / 256, gpb = 256 / G;
-    const int8_t *x = t->x8 + (size_t)r * K + (size_t)sbk * 256;
+    const int8_t *x = sb_x(t, r, sbk * 256);
     const uint32_t *wp = t->w + ((size_t)p * (K / 8) + (size_t)sbk * 32) * PANEL;
     const uint32_t *hp = HB ? t->hw + ((size_t)p * (K * HB / 32) + (size_t)sbk * gpb) * PANEL : NULL;
     __m512 acc[4];
@@ -1112,7 +1118,7 @@ avx512_tile_sb(const Task *t, int p, int r, const int RB, const int HB, const in
                 }
 #pragma GCC unroll 4
                 for (int i = 0; i < RB; i++) {
-                    const int8_t *xr = x + (size_t)i * K + (g + h) * G + 8 * j;
+                    const int8_t *xr = x + (size_t)i * 256 + (g + h) * G + 8 * j;
                     dot[i][h] = dpbusd_bcast(dot[i][h], lo, xr);
                     dot[i][h] = dpbusd_bcast(dot[i][h], hi, xr + 4);
                 }
@@ -1275,16 +1281,16 @@ static void quantize_rows(const float *x, int R, int K, int G, int16_t *xq, floa
    4-bit word as x0 x4 x1 x5 | x2 x6 x3 x7 (its low nibbles' bytes hold w0 w4 w1 w5, its high
    nibbles' w2 w6 w3 w7), each 4 k of an 8-bit word as x0 x2 x1 x3; plus each group's float sum
    and the integer sum of every SG values (SG divides G: the weight group where the scale is a
-   super-block's). */
-static void quantize_rows8(const float *x, int R, int K, int G, int SG, int bits, int8_t *xq, float *xd, float *xs,
-                           int32_t *xi) {
+   super-block's). Row r's group g goes to xq + r * rs + g * gs (row-major: K and G; see sb_x). */
+static void quantize_rows8(const float *x, int R, int K, int G, int SG, int bits, int8_t *xq, size_t rs, size_t gs,
+                           float *xd, float *xs, int32_t *xi) {
     static const int src4[8] = {0, 4, 1, 5, 2, 6, 3, 7}, src8[4] = {0, 2, 1, 3};
     const int ng = K / G, n = bits == 4 ? 8 : 4;
     const int *src = bits == 4 ? src4 : src8;
     for (int r = 0; r < R; r++) {
         for (int g = 0; g < ng; g++) {
             const float *v = x + (size_t)r * K + g * G;
-            int8_t *q = xq + (size_t)r * K + g * G;
+            int8_t *q = xq + r * rs + g * gs;
             int32_t *si = xi + ((size_t)r * K + g * G) / SG;
             float amax, sum;
             group_amax_sum(v, G, &amax, &sum);
@@ -1305,14 +1311,14 @@ static void quantize_rows8(const float *x, int R, int K, int G, int SG, int bits
 /* quantize_rows8 eight floats at a time (G a multiple of 8), the same integers: the float products
    rounded to nearest even as lrintf does; the byte order by one lane permute of the floats. */
 static AVX2_TARGET void quantize_rows8_avx2(const float *x, int R, int K, int G, int SG, int bits, int8_t *xq,
-                                            float *xd, float *xs, int32_t *xi) {
+                                            size_t rs, size_t gs, float *xd, float *xs, int32_t *xi) {
     const int ng = K / G;
     const __m256i order = bits == 4 ? _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7) : _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int r = 0; r < R; r++) {
         for (int g = 0; g < ng; g++) {
             const float *v = x + (size_t)r * K + g * G;
-            int8_t *q = xq + (size_t)r * K + g * G;
+            int8_t *q = xq + r * rs + g * gs;
             __m256 m = _mm256_setzero_ps(), s = _mm256_setzero_ps();
             for (int k = 0; k < G; k += 8) {
                 const __m256 a = _mm256_loadu_ps(v + k);
@@ -1350,6 +1356,7 @@ static AVX2_TARGET void quantize_rows8_avx2(const float *x, int R, int K, int G,
 typedef struct {
     const float *x;
     int R, K, G, SG, bits, act8, chunk;
+    size_t rs, gs; /* int8 activations: bytes between rows, between a row's groups */
     int16_t *xq;
     float *xd, *xs;
     int32_t *xi;
@@ -1359,15 +1366,16 @@ static void quantize_item(const void *ctx, int item) {
     const QuantJob *j = (const QuantJob *)ctx;
     const int r0 = item * j->chunk, rows = j->R - r0 < j->chunk ? j->R - r0 : j->chunk;
     const size_t at = (size_t)r0 * j->K, gat = (size_t)r0 * (j->K / j->G), sat = (size_t)r0 * (j->K / j->SG);
+    int8_t *q8 = (int8_t *)j->xq + r0 * j->rs;
 #ifdef QM_X86
     if (j->act8 && g_isa_level > 0 && j->SG % 8 == 0) {
-        quantize_rows8_avx2(j->x + at, rows, j->K, j->G, j->SG, j->bits, (int8_t *)j->xq + at, j->xd + gat,
-                            j->xs + gat, j->xi + sat);
+        quantize_rows8_avx2(j->x + at, rows, j->K, j->G, j->SG, j->bits, q8, j->rs, j->gs, j->xd + gat, j->xs + gat,
+                            j->xi + sat);
         return;
     }
 #endif
     if (j->act8)
-        quantize_rows8(j->x + at, rows, j->K, j->G, j->SG, j->bits, (int8_t *)j->xq + at, j->xd + gat, j->xs + gat,
+        quantize_rows8(j->x + at, rows, j->K, j->G, j->SG, j->bits, q8, j->rs, j->gs, j->xd + gat, j->xs + gat,
                        j->xi + sat);
     else
         quantize_rows(j->x + at, rows, j->K, j->G, j->xq + at, j->xd + gat, j->xs + gat);
@@ -1468,7 +1476,8 @@ int qm_gemm(const QmMatrix *m, const float *x, int R, float *out, Py_ssize_t ldo
     /* K-quants on the AVX2 path scale activations per super-block (avx2_tile_sb), one row or many */
     const int sb = act8 && g_isa_level > 0 && m->kq && G == (m->hbits == 2 ? 16 : 32);
     /* on one thread, quantizing 512 rows left the other idle for a seventh of the matmul's time */
-    QuantJob job = {x, R, K, sb ? 256 : G, G, m->bits, act8, R >= 64 ? 8 : R, g_xq, xd, xs, xi};
+    QuantJob job = {x, R, K, sb ? 256 : G, G, m->bits, act8, R >= 64 ? 8 : R, sb ? 256 : K, sb ? (size_t)R * 256 : G,
+                    g_xq, xd, xs, xi};
     if (R >= 64) qm_parallel((R + job.chunk - 1) / job.chunk, quantize_item, &job);
     else quantize_item(&job, 0);
     if (sb) /* a group's sum is at most 32 * 127 */
