@@ -82,7 +82,7 @@ typedef void (*kernel_fn)(const Task *, int p0, int p1, int r0, int r1);
 
 /* Row r's int8 activation k for the super-block kernels, whose rows' 256 values of a super-block lie side by
    side: a tile's rows K bytes apart fell in a few L1 sets (K a multiple of 4 KiB: all in one), and 64-row K-quant
-   matmuls of a 1B model ran 7% faster with them adjacent. */
+   matmuls of a 1B model ran 6% faster with them adjacent (16 rows: 4%). */
 static inline const int8_t *sb_x(const Task *t, int r, int k) {
     return t->x8 + ((size_t)(k >> 8) * t->R + r) * 256 + (k & 255);
 }
@@ -946,8 +946,8 @@ sum(signed weight * x) + 128 * sum(x). Layouts without a kernel here run the AVX
 
 /* acc + the dot of w with the 4 bytes (dpbusd) or 2 int16 (dpwssd) at p in every lane, p read as the
    instruction's broadcast operand ({1to16}). gcc 12 loads such a broadcast with a vpbroadcastd of its
-   own, an extra instruction beside each vpdpbusd: with it folded in, K-quant matmuls of 4-64 rows ran
-   2-9% faster on one thread (Zen 4), Q6_K's the most, the same bits. */
+   own, an extra instruction beside each vpdpbusd: with it folded in, K-quant matmuls in cache of 4-64 rows
+   ran 0-17% faster on one thread (Zen 4; most often 5-10%), the same bits. */
 typedef int32_t __attribute__((may_alias, aligned(1))) word32;
 static inline AVX512_TARGET __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, __m512i w, const void *p) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const word32 *)p));

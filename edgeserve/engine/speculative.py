@@ -126,7 +126,7 @@ class StepCost:
 
     def medians(self) -> dict[int, float]:
         """The median step time of each row count with enough recent steps to trust it."""
-        return self._medians
+        return dict(self._medians)
 
     def samples(self) -> list[tuple[int, float]]:
         """The recent steps' (rows, seconds), oldest first."""
