@@ -173,8 +173,9 @@ def bench_cmd(model: str, config: EngineConfig, workload: str, max_batch: int,
                              max_num_seqs=max_num_seqs)
 
         results["speculative"] = workloads.run_speculative(make_engine, modes)
-        results["speculative_batch"] = workloads.run_speculative_batch(lambda mode: make_engine(mode, 16), 16,
-                                                                       modes=modes)
+        streams = 16
+        results["speculative_batch"] = workloads.run_speculative_batch(lambda mode: make_engine(mode, streams),
+                                                                       streams, modes=modes)
     _emit(results, as_json)
 
 

@@ -229,10 +229,12 @@ class DraftJudge:
     def __init__(self) -> None:
         self._steps: dict[int, deque[tuple[bool, float]]] = {}  # by decoding sequences: (with drafts, tokens a second)
         self._counts: dict[int, int] = {}  # steps recorded at each batch size
+        self._allowed: dict[int, bool] = {}  # allows() since the last step, by batch size: every sequence asks
 
     def record(self, decodes: int, drafted: bool, tokens: int, seconds: float) -> None:
         self._steps.setdefault(decodes, deque(maxlen=JUDGE_WINDOW)).append((drafted, tokens / max(seconds, 1e-9)))
         self._counts[decodes] = self._counts.get(decodes, 0) + 1
+        self._allowed = {}
 
     def pays(self, decodes: int) -> bool | None:
         """Whether steps with drafts gave more tokens a second than steps without; None until both are measured."""
@@ -245,10 +247,12 @@ class DraftJudge:
 
     def allows(self, decodes: int) -> bool:
         """Whether this step may draft (the same answer for every sequence of a step)."""
-        verdict = self.pays(decodes)
-        every = JUDGE_EVERY_PAYS if verdict else JUDGE_EVERY
-        against = self._counts.get(decodes, 0) % every == every - 1
-        return (verdict is not False) != against
+        if decodes not in self._allowed:
+            verdict = self.pays(decodes)
+            every = JUDGE_EVERY_PAYS if verdict else JUDGE_EVERY
+            against = self._counts.get(decodes, 0) % every == every - 1
+            self._allowed[decodes] = (verdict is not False) != against
+        return self._allowed[decodes]
 
 
 class Speculator:
