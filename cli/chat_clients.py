@@ -84,6 +84,17 @@ class ServingStatus:
     block_size: int | None = None
     kv_blocks: list[KVBlock] | None = None
     tier_hit_tokens: dict[str, int] | None = None  # prompt tokens loaded from the prefix store, by tier
+    draft_checks: int | None = None  # decode steps of a request that checked a speculative draft
+    draft_tokens: int | None = None  # tokens guessed and checked in them
+    accepted_draft_tokens: int | None = None  # of those, the ones that were right
+
+    def guesses(self) -> str | None:
+        """How speculative decoding's guesses fare: the share that was right, and the tokens a request gained in a
+        step that checked one (the right guesses and the checked token); None before a guess was checked."""
+        if not self.draft_checks or not self.draft_tokens or self.accepted_draft_tokens is None:
+            return None
+        per_check = (self.accepted_draft_tokens + self.draft_checks) / self.draft_checks
+        return f"{100 * self.accepted_draft_tokens / self.draft_tokens:.0f}% right   {per_check:.2f} tokens a check"
 
 
 class ChatClient(ABC):
@@ -152,7 +163,8 @@ class EngineClient(ChatClient):
             tokens_per_second=st.tokens_per_second if st.running else 0.0, memory_bytes=self.memory_bytes,
             prefix_hit_rate=st.prefix_hit_rate,
             block_size=self.aengine.info.block_size, kv_blocks=blocks,
-            tier_hit_tokens={"ram": st.prefix_ram_hit_tokens, "disk": st.prefix_disk_hit_tokens})
+            tier_hit_tokens={"ram": st.prefix_ram_hit_tokens, "disk": st.prefix_disk_hit_tokens},
+            draft_checks=st.draft_checks, draft_tokens=st.draft_tokens, accepted_draft_tokens=st.accepted_draft_tokens)
 
 
 class RemoteClient(ChatClient):
@@ -307,12 +319,19 @@ class RemoteClient(ChatClient):
         running = metrics.get("edgeserve_requests_running")
         waiting = metrics.get("edgeserve_requests_waiting")
         tiers = {t: metrics.get(f'edgeserve_prefix_cache_tier_hit_tokens_total{{tier="{t}"}}') for t in ("ram", "disk")}
+        guesses = {r: metrics.get(f'edgeserve_speculative_draft_tokens_total{{result="{r}"}}')
+                   for r in ("accepted", "rejected")}
+        checks = metrics.get("edgeserve_speculative_checks_total")
+        spoke_of_drafts = checks is not None and None not in guesses.values()
         return ServingStatus(
             running=len(self._active) if running is None else int(running),
             waiting=None if waiting is None else int(waiting),
             tokens_per_second=metrics.get("edgeserve_generation_tokens_per_second", self._client_tokens_per_second()),
             block_size=kv[0] if kv else None, kv_blocks=kv[1] if kv else None,
-            tier_hit_tokens=None if None in tiers.values() else {t: int(n) for t, n in tiers.items()})
+            tier_hit_tokens=None if None in tiers.values() else {t: int(n) for t, n in tiers.items()},
+            draft_checks=int(checks) if spoke_of_drafts else None,
+            draft_tokens=int(sum(guesses.values())) if spoke_of_drafts else None,
+            accepted_draft_tokens=int(guesses["accepted"]) if spoke_of_drafts else None)
 
 
 async def stats_report(client: ChatClient, conversation: Conversation, last: ReplyStats | None) -> list[str]:
@@ -331,6 +350,8 @@ async def stats_report(client: ChatClient, conversation: Conversation, last: Rep
                      + ", ".join(f"{n} {s}" for s, n in counts.items()))
     if st.prefix_hit_rate is not None:
         lines.append(f"prefix cache hit rate: {100 * st.prefix_hit_rate:.0f}%")
+    if (guesses := st.guesses()) is not None:
+        lines.append(f"speculative guesses: {guesses}")
     if st.memory_bytes is not None:
         lines.append(f"memory: {format_size(st.memory_bytes)} (weights and KV pool)")
     if last is not None:

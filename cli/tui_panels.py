@@ -127,6 +127,9 @@ class StatusPanel(Vertical):
             f"tokens/s {figure(status.tokens_per_second, '{:.1f}')}"
             + (f"   prefix hits {100 * status.prefix_hit_rate:.0f}%" if status.prefix_hit_rate is not None else ""),
         ]
+        # a line only once speculative decoding has checked a guess, so that a short screen keeps the map
+        if (guesses := status.guesses()) is not None:
+            lines.append(f"guesses  {guesses}")
         self.figures.update(Text("\n".join(lines)))
         title = "KV pool"
         if status.kv_blocks is not None:

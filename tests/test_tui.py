@@ -22,7 +22,7 @@ from textual.keys import _character_to_key
 from textual.widgets import Input
 
 from edgeserve.engine.async_engine import AsyncEngine
-from edgeserve.cli.chat_clients import EngineClient, RemoteClient
+from edgeserve.cli.chat_clients import EngineClient, RemoteClient, stats_report
 from edgeserve.cli.main import cli
 from edgeserve.cli.options import build_engine
 from edgeserve.config import EngineConfig
@@ -529,5 +529,31 @@ async def test_the_engine_panel_counts_prompt_tokens_loaded_from_the_prefix_stor
             await aengine.call(lambda e: [generate(e, prompt(seed, n)) for seed, n in ((0, 97), (1, 150), (0, 97))])
             await wait_until(pilot, lambda: "prefix store tokens: 96 ram, 0 disk" in str(title.render()),
                              "the panel shows the RAM tier's hits")
+    finally:
+        aengine.shutdown()
+
+
+@pytest.mark.parametrize("through_server", [False, True], ids=["in-process", "server"])
+async def test_the_engine_panel_shows_how_often_speculative_guesses_are_right(tiny_model, through_server):
+    from edgeserve.engine.llm_engine import LLMEngine
+
+    aengine = AsyncEngine(LLMEngine(tiny_model, EngineConfig(backend="numpy", kv_memory="16MiB", speculative="ngram")))
+    try:
+        with serving(create_app(aengine, "tiny")) as url:
+            client = RemoteClient(url) if through_server else EngineClient(aengine)
+            app = tui(client, max_tokens=24, ignore_eos=True)
+            async with app.run_test(size=(160, 45)) as pilot:
+                figures, pane = app.query_one(StatusPanel).figures, app.sessions[0]
+                await pilot.pause(0.3)
+                assert "guesses" not in str(figures.render())  # no line before a guess was checked
+                await send(pilot, pane, "one two three one two three one two three one two")
+                await wait_until(pilot, lambda: not pane.answering, "the answer finishes")
+                st = await aengine.call(lambda e: e.stats())
+                assert st.draft_checks > 0
+                shown = (f"guesses  {100 * st.accepted_draft_tokens / st.draft_tokens:.0f}% right   "
+                         f"{(st.accepted_draft_tokens + st.draft_checks) / st.draft_checks:.2f} tokens a check")
+                await wait_until(pilot, lambda: shown in str(figures.render()), "the panel shows the engine's figures")
+                assert "speculative guesses: " + shown.removeprefix("guesses  ") in await stats_report(
+                    client, pane.conversation, None)  # and the chat's /stats
     finally:
         aengine.shutdown()
