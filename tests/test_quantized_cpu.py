@@ -59,9 +59,9 @@ def test_greedy_top1_agrees_with_float32_on_the_fixture_prompts(engines):
 
 def test_perplexity_within_half_a_percent_of_float32(engines):
     text = SHIPPED_TEXT.read_text(encoding="utf-8")
-    text = text[: len(text) // 3]  # four windows of 512: the two differ by ~0.001% here, as on the whole text
+    text = text[: len(text) // 6]  # two windows of 512: the two differ by ~0.001% here, as on the whole text
     quantized, exact = (text_perplexity(e, text, ctx=512, stride=512, progress=False) for e in engines)
-    assert quantized.tokens == exact.tokens > 1900
+    assert quantized.tokens == exact.tokens > 950
     assert abs(quantized.perplexity / exact.perplexity - 1) < 0.005
 
 
