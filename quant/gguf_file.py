@@ -71,6 +71,20 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """An array of count strings: a vocabulary's tokens and merges, tens of thousands each, so one tight loop."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        length = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            (n,) = length(buf, pos)
+            pos += 8
+            if n > end - pos:
+                raise struct.error("string runs past the end of the file")
+            out.append(str(buf[pos : pos + n], "utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         vtype = gguf.GGUFValueType(vtype)
         if vtype == gguf.GGUFValueType.STRING:
@@ -85,6 +99,8 @@ class _Cursor:
                 items = np.frombuffer(self.buf[self.pos : end], dtype=dtype).tolist()
                 self.pos = end
                 return items
+            if item_type == gguf.GGUFValueType.STRING:
+                return self.strings(count)
             return [self.value(item_type) for _ in range(count)]
         return self.unpack(_SCALARS[vtype])
 

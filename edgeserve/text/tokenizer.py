@@ -18,7 +18,6 @@ from typing import Any, Protocol
 import sentencepiece as spm
 import tokenizers
 from gguf import TokenType
-from sentencepiece import sentencepiece_model_pb2
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from edgeserve.errors import ModelLoadError
@@ -171,6 +170,10 @@ class _SentencePieceCodec:
     """A SentencePiece model, plus the tokens that llama.cpp cuts out of text before it."""
 
     def __init__(self, model_proto: bytes, added_tokens: dict[int, AddedToken] | None = None):
+        # here and in _sentencepiece_from_gguf: protobuf's import adds ~10 ms to every start, and only
+        # SentencePiece vocabularies need it
+        from sentencepiece import sentencepiece_model_pb2
+
         self._proto = model_proto
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
         parsed_proto = sentencepiece_model_pb2.ModelProto.FromString(model_proto)
@@ -502,6 +505,8 @@ def _sentencepiece_from_gguf(metadata: dict[str, Any]) -> _SentencePieceCodec:
 
     GGUF token types number the kinds of piece as SentencePiece does, so they carry over as is.
     """
+    from sentencepiece import sentencepiece_model_pb2
+
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     scores: list[float] = metadata.get("tokenizer.ggml.scores", [0.0] * len(tokens))
     types: list[int] = list(
