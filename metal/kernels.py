@@ -64,13 +64,18 @@ def upload_ints(*arrays: np.ndarray) -> list[mx.array]:
     return [packed[end - a.size : end].reshape(a.shape) for a, end in zip(arrays, ends)]
 
 
+def padded_width(width: int) -> int:
+    """A block table's width padded to a power of two, MIN_TABLE_WIDTH at least."""
+    return max(MIN_TABLE_WIDTH, 1 << (width - 1).bit_length())
+
+
 def prepare_kernel(batch: Batch) -> KernelMeta:
     """Row-to-sequence map, visible lengths and block tables for this batch."""
     row_len = batch.positions + 1
     # the tables' width padded to a power of two, MIN_TABLE_WIDTH at least: a compiled step is traced once per
     # width (mlx_blocks), and a trace costs far more than the empty partitions the padding adds
     tables = batch.block_tables
-    padding = max(MIN_TABLE_WIDTH, 1 << (tables.shape[1] - 1).bit_length()) - tables.shape[1]
+    padding = padded_width(tables.shape[1]) - tables.shape[1]
     row_seq, row_len_device, block_tables = upload_ints(
         np.repeat(np.arange(batch.num_seqs), batch.query_lens), row_len, np.pad(tables, ((0, 0), (0, padding))))
     return KernelMeta(

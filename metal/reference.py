@@ -38,19 +38,19 @@ class ReferenceMeta:
 
     decode_rows: mx.array  # [D] rows that are a sequence's single decode token
     decode_blocks: mx.array  # [D, max_blocks]
-    decode_mask: mx.array  # additive float32 [D, 1, 1, max_blocks * block_size]
     decode_lens: np.ndarray  # [D] keys each decode row sees
+    block_size: int
     num_decode: int
     prefills: list[PrefillChunk]
     row_order: mx.array  # [T] where each batch row sits in the concatenated outputs
-    # window -> (decode mask, one mask per prefill chunk) with the keys outside the window masked too
-    window_masks: dict[int, tuple[mx.array, list[mx.array]]] = field(default_factory=dict)
+    # window (None: none) -> the decode rows' additive float32 mask [D, 1, 1, max_blocks * block_size] and one mask per
+    # prefill chunk, made when a layer first asks (a compiled decode step makes its own)
+    window_masks: dict[int | None, tuple[mx.array, list[mx.array]]] = field(default_factory=dict)
 
 
 def prepare_reference(batch: Batch) -> ReferenceMeta:
     """The block lists, masks and row order the reference needs for this batch."""
     rows, blocks, lens = batch.decode_layout()
-    valid = np.arange(blocks.shape[1] * batch.block_size)[None, :] < lens[:, None]
     prefills = [
         PrefillChunk(
             start=c.start,
@@ -65,8 +65,8 @@ def prepare_reference(batch: Batch) -> ReferenceMeta:
     return ReferenceMeta(
         decode_rows=mx.array(rows.astype(np.int32)),
         decode_blocks=mx.array(blocks.astype(np.int32)),
-        decode_mask=mx.array(np.where(valid, 0.0, MASKED).astype(np.float32)[:, None, None, :]),
         decode_lens=lens,
+        block_size=batch.block_size,
         num_decode=len(rows),
         prefills=prefills,
         row_order=mx.array(np.argsort(concatenated_rows).astype(np.int32)),
@@ -75,18 +75,19 @@ def prepare_reference(batch: Batch) -> ReferenceMeta:
 
 def window_masks(meta: ReferenceMeta, window: int | None) -> tuple[mx.array, list[mx.array]]:
     """The decode mask and each prefill chunk's mask, hiding also the keys before each row's last `window`."""
-    if window is None:
-        return meta.decode_mask, [c.mask for c in meta.prefills]
     if window not in meta.window_masks:
-        keys = np.arange(meta.decode_mask.shape[-1])[None, :]
+        keys = np.arange(meta.decode_blocks.shape[1] * meta.block_size)[None, :]
         lens = meta.decode_lens[:, None]
-        decode = (keys < lens) & (keys >= lens - window)
-        chunks = []
-        for c in meta.prefills:
-            position = (c.context_len - c.length + np.arange(c.length))[:, None]
-            keys = np.arange(c.context_len)[None, :]
-            chunks.append(mx.array(np.where((keys <= position) & (keys > position - window), 0.0, MASKED)
-                                   .astype(np.float32)))
+        decode = keys < lens
+        chunks = [c.mask for c in meta.prefills]
+        if window is not None:
+            decode &= keys >= lens - window
+            chunks = []
+            for c in meta.prefills:
+                position = (c.context_len - c.length + np.arange(c.length))[:, None]
+                keys = np.arange(c.context_len)[None, :]
+                chunks.append(mx.array(np.where((keys <= position) & (keys > position - window), 0.0, MASKED)
+                                       .astype(np.float32)))
         meta.window_masks[window] = (
             mx.array(np.where(decode, 0.0, MASKED).astype(np.float32)[:, None, None, :]), chunks)
     return meta.window_masks[window]
@@ -103,12 +104,7 @@ def reference_paged_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array,
     decode_mask, chunk_masks = window_masks(meta, window)
     outputs = []
     if meta.num_decode:
-        d = meta.num_decode
-        k, v = (kv_heads(cache[meta.decode_blocks], hd, q.dtype).reshape(d, -1, n_kv, hd)
-                for cache in (k_cache, v_cache))
-        k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [D, kv, hd, L], [D, kv, L, hd]
-        qd = q[meta.decode_rows].reshape(d, n_kv, group, hd) * scale
-        outputs.append(_softmax_av(qd @ k + decode_mask, v).reshape(d, n_heads, hd))
+        outputs.append(decode_attention(q[meta.decode_rows], k_cache, v_cache, meta.decode_blocks, decode_mask))
     for chunk, mask in zip(meta.prefills, chunk_masks):
         c, n = chunk.context_len, chunk.length
         k = kv_heads(k_cache[chunk.blocks], hd, q.dtype).reshape(-1, n_kv, hd)[:c].transpose(1, 2, 0)  # [kv, hd, c]
@@ -117,6 +113,18 @@ def reference_paged_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array,
         o = _softmax_av(qc @ k[:, None] + mask, v[:, None])  # [kv, g, n, hd]
         outputs.append(o.transpose(2, 0, 1, 3).reshape(n, n_heads, hd))
     return mx.concatenate(outputs, axis=0)[meta.row_order]
+
+
+def decode_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, blocks: mx.array, mask: mx.array
+                     ) -> mx.array:
+    """Attention of D single-token rows q [D, n_heads, head_dim], each over the keys of its row of blocks [D, W]
+    that its additive mask [D, 1, 1, W * block_size] leaves open."""
+    d, n_heads, hd = q.shape
+    n_kv = k_cache.shape[2]
+    k, v = (kv_heads(cache[blocks], hd, q.dtype).reshape(d, -1, n_kv, hd) for cache in (k_cache, v_cache))
+    k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [D, kv, hd, L], [D, kv, L, hd]
+    qd = q.reshape(d, n_kv, n_heads // n_kv, hd) * (1.0 / math.sqrt(hd))
+    return _softmax_av(qd @ k + mask, v).reshape(d, n_heads, hd)
 
 
 def kv_heads(heads: mx.array, head_dim: int, dtype: mx.Dtype) -> mx.array:

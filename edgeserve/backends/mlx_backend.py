@@ -265,6 +265,10 @@ class MLXBackend:
         self._written.append(cache)
         return cache
 
+    def written(self, pools: list[mx.array]) -> None:
+        """Pool arrays a step wrote, to be evaluated with it."""
+        self._written.extend(pools)
+
     @staticmethod
     def pool_rows(cache: mx.array, values: mx.array) -> mx.array:
         """Heads as the pool holds them."""

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from edgeserve.metal.kernels import KernelMeta, kernel_paged_attention, write_in_place
+from edgeserve.metal.kernels import KernelMeta, kernel_paged_attention, padded_width, write_in_place
+from edgeserve.metal.reference import MASKED, decode_attention
 
 if TYPE_CHECKING:
     from edgeserve.backends.kv_pool import KVPool
@@ -57,6 +58,12 @@ class CompiledBlocks:
         # then paid once per shape, not per step. Decode steps only: their row counts repeat, where prompts'
         # lengths would each cost a trace of every layer.
         self.stack = mx.compile(self._stack) if in_place else None
+        # Likewise where attention is the reference's MLX ops (MLX on the CPU): a decode step is one compiled call that
+        # writes K/V with MLX's scatter and gives the pools it wrote back (each updated in place: the caller lets go of
+        # the one it passed). A sliding window's masks are made per step, outside: those models go layer by layer.
+        self.reference_stack = None
+        if backend.attention.name == "mlx-reference" and all(layer.attention.window is None for layer in layers):
+            self.reference_stack = mx.compile(self._reference_stack)
 
     def __call__(self, h: mx.array, kv: KVPool, meta: MLXMeta) -> mx.array:
         be = self.backend
@@ -64,6 +71,8 @@ class CompiledBlocks:
         if self.stack is not None and rows <= MAX_COMPILED_ROWS and meta.attention.batch.num_seqs == rows:
             a = meta.attention
             return self.stack(h, meta.positions, meta.slots, a.row_seq, a.row_len, a.block_tables, *kv.k, *kv.v)
+        if self.reference_stack is not None and rows <= MAX_COMPILED_ROWS and meta.attention.num_decode == rows:
+            return self._decode_in_one_call(h, kv, meta)
         parts = self.compiled if rows <= MAX_COMPILED_ROWS else self.plain
         metas = [meta, *(be.with_rope(meta, rope) for rope in self.ropes[1:])]
         for i, layer in enumerate(self.layers):
@@ -93,6 +102,35 @@ class CompiledBlocks:
             q, k, v = before(h, positions, self.ropes[layer.attention.rope])
             h = after(h, self._attend_in_place(q, k, v, k_pool, v_pool, slots, attention))
         return h
+
+    def _decode_in_one_call(self, h: mx.array, kv: KVPool, meta: MLXMeta) -> mx.array:
+        """A step of decode rows only, in order, through the compiled reference stack; the block tables padded to
+        padded_width blocks, so that a trace serves many steps."""
+        a = meta.attention
+        width = a.decode_blocks.shape[1]
+        blocks = mx.pad(a.decode_blocks, [(0, 0), (0, padded_width(width) - width)])
+        n = len(self.layers)
+        h, *pools = self.reference_stack(h, meta.positions, meta.slot_blocks, meta.slot_offsets, blocks, *kv.k, *kv.v)
+        kv.k[:], kv.v[:] = pools[:n], pools[n:]
+        self.backend.written(pools)
+        return h
+
+    def _reference_stack(self, h: mx.array, positions: mx.array, slot_blocks: mx.array, slot_offsets: mx.array,
+                         blocks: mx.array, *pools: mx.array) -> tuple[mx.array, ...]:
+        """Every layer of a decode step, attention by the reference's ops (pools: each layer's K, then each layer's V);
+        returns the residual stream and the pools written."""
+        be, n = self.backend, len(self.layers)
+        pools = list(pools)
+        # each row sees its sequence's keys up to its own position
+        keys = mx.arange(blocks.shape[1] * pools[0].shape[1])
+        mask = mx.where(keys[None, :] <= positions[:, None], 0.0, MASKED)[:, None, None, :]
+        for i, layer in enumerate(self.layers):
+            before, after = self.plain[i]
+            q, k, v = before(h, positions, self.ropes[layer.attention.rope])
+            for j, values in ((i, k), (n + i, v)):
+                pools[j][slot_blocks, slot_offsets] = be.pool_rows(pools[j], values)
+            h = after(h, decode_attention(q, pools[i], pools[n + i], blocks, mask))
+        return (h, *pools)
 
     def _attend_in_place(self, q: mx.array, k: mx.array, v: mx.array, k_pool: mx.array, v_pool: mx.array,
                          slots: mx.array, attention: KernelMeta) -> mx.array:
