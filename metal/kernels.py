@@ -59,9 +59,10 @@ class KernelMeta:
 def upload_ints(*arrays: np.ndarray) -> list[mx.array]:
     """Integer arrays as int32 MLX arrays of their shapes, made from one host array: on a GPU that is one copy
     to the device for a step's few small arrays rather than one apiece."""
-    packed = mx.array(np.concatenate([np.asarray(a, dtype=np.int32).ravel() for a in arrays]))
-    ends = np.cumsum([a.size for a in arrays])
-    return [packed[end - a.size : end].reshape(a.shape) for a, end in zip(arrays, ends)]
+    flat = [np.ravel(a) for a in arrays]
+    packed = mx.array(np.concatenate(flat, dtype=np.int32, casting="unsafe"))
+    parts = mx.split(packed, np.cumsum([f.size for f in flat[:-1]]).tolist())
+    return [part if np.ndim(a) == 1 else part.reshape(np.shape(a)) for part, a in zip(parts, arrays)]
 
 
 def padded_width(width: int) -> int:

@@ -36,13 +36,13 @@ class PrefillChunk:
 class ReferenceMeta:
     """Per-step arrays of the reference path, computed once and shared by every layer."""
 
-    decode_rows: mx.array  # [D] rows that are a sequence's single decode token
+    decode_rows: mx.array | None  # [D] rows that are a sequence's single decode token; None: every row, in order
     decode_blocks: mx.array  # [D, max_blocks]
     decode_lens: np.ndarray  # [D] keys each decode row sees
     block_size: int
     num_decode: int
     prefills: list[PrefillChunk]
-    row_order: mx.array  # [T] where each batch row sits in the concatenated outputs
+    row_order: mx.array | None  # [T] where each batch row sits in the concatenated outputs; None: where it is
     # window (None: none) -> the decode rows' additive float32 mask [D, 1, 1, max_blocks * block_size] and one mask per
     # prefill chunk, made when a layer first asks (a compiled decode step makes its own)
     window_masks: dict[int | None, tuple[mx.array, list[mx.array]]] = field(default_factory=dict)
@@ -51,6 +51,9 @@ class ReferenceMeta:
 def prepare_reference(batch: Batch) -> ReferenceMeta:
     """The block lists, masks and row order the reference needs for this batch."""
     rows, blocks, lens = batch.decode_layout()
+    if len(rows) == len(batch.token_ids):  # a decode step: every row a sequence's one token, nothing to reorder
+        return ReferenceMeta(decode_rows=None, decode_blocks=mx.array(blocks.astype(np.int32)), decode_lens=lens,
+                             block_size=batch.block_size, num_decode=len(rows), prefills=[], row_order=None)
     prefills = [
         PrefillChunk(
             start=c.start,
@@ -104,7 +107,8 @@ def reference_paged_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array,
     decode_mask, chunk_masks = window_masks(meta, window)
     outputs = []
     if meta.num_decode:
-        outputs.append(decode_attention(q[meta.decode_rows], k_cache, v_cache, meta.decode_blocks, decode_mask))
+        rows = q if meta.decode_rows is None else q[meta.decode_rows]
+        outputs.append(decode_attention(rows, k_cache, v_cache, meta.decode_blocks, decode_mask))
     for chunk, mask in zip(meta.prefills, chunk_masks):
         c, n = chunk.context_len, chunk.length
         k = kv_heads(k_cache[chunk.blocks], hd, q.dtype).reshape(-1, n_kv, hd)[:c].transpose(1, 2, 0)  # [kv, hd, c]
@@ -112,6 +116,8 @@ def reference_paged_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array,
         qc = (q[chunk.start : chunk.start + n] * scale).reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3)
         o = _softmax_av(qc @ k[:, None] + mask, v[:, None])  # [kv, g, n, hd]
         outputs.append(o.transpose(2, 0, 1, 3).reshape(n, n_heads, hd))
+    if meta.row_order is None:
+        return outputs[0]
     return mx.concatenate(outputs, axis=0)[meta.row_order]
 
 

@@ -5,6 +5,7 @@ random model repeats itself enough for prompt lookup to guess right, the real mo
 """
 
 import json
+import statistics
 from pathlib import Path
 
 import jsonschema
@@ -153,6 +154,16 @@ def test_step_cost_reads_each_row_count_and_a_line_through_those_above_one():
     for rows in [1, 3] * MIN_SAMPLES:
         cost.observe(rows, 0.01 * rows)
     assert cost.times(1, 4) == pytest.approx([0.01, 0.02, 0.03, 0.04, 0.05])
+
+
+def test_step_cost_medians_are_those_of_the_window_as_it_slides():
+    cost, rng = StepCost(window=40), np.random.default_rng(1)
+    for _ in range(300):
+        cost.observe(int(rng.integers(1, 4)), float(rng.choice([0.5, 1.0, rng.random()])))  # ties, as timers give
+        window = cost.samples()
+        want = {n: statistics.median(t for r, t in window if r == n) for n in {r for r, _ in window}}
+        assert cost.medians() == {n: m for n, m in want.items()
+                                  if sum(r == n for r, _ in window) >= MIN_SAMPLES}
 
 
 def test_auto_drafts_long_where_rows_are_cheap_and_guesses_right():

@@ -23,6 +23,7 @@ checking, its time per guess counted in the step's.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -102,25 +103,28 @@ class StepCost:
 
     def __init__(self, window: int = COST_WINDOW):
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
-        self._by_rows: dict[int, deque[float]] = {}  # the window's step times by row count, oldest first
+        self._by_rows: dict[int, list[float]] = {}  # the window's step times by row count, sorted
         self._medians: dict[int, float] = {}  # by row count, of those with enough steps to trust
         self._times: dict[tuple[int, int], list[float] | None] = {}  # times() asked since the last step, by its arguments
 
     def observe(self, rows: int, seconds: float) -> None:
         # only the row counts the step added and pushed out of the window change: their medians alone are taken again
+        # (kept sorted, so that a median is read, not sorted for: every step observes)
         if len(self._samples) == self._samples.maxlen:
-            old = self._samples[0][0]
-            self._by_rows[old].popleft()
+            old, t = self._samples[0]
+            times = self._by_rows[old]
+            del times[bisect.bisect_left(times, t)]
             self._remedian(old)
         self._samples.append((rows, seconds))
-        self._by_rows.setdefault(rows, deque()).append(seconds)
+        bisect.insort(self._by_rows.setdefault(rows, []), seconds)
         self._remedian(rows)
         self._times = {}
 
     def _remedian(self, rows: int) -> None:
         ts = self._by_rows[rows]
-        if len(ts) >= MIN_SAMPLES:
-            self._medians[rows] = statistics.median(ts)
+        n = len(ts)
+        if n >= MIN_SAMPLES:
+            self._medians[rows] = ts[n // 2] if n % 2 else (ts[n // 2 - 1] + ts[n // 2]) / 2
         else:
             self._medians.pop(rows, None)
 
