@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -150,6 +151,7 @@ class LLMEngine:
         self.config = config
         self.model = model
         self.tokenizer = model.tokenizer
+        self.populating: threading.Thread | None = None  # the thread mapping the KV pool's pages in (populate_kv)
         if config.distributed:
             from edgeserve.distributed.group import world  # MLX's: loaded only for a model split across ranks
             from edgeserve.distributed.runner import start_group
@@ -161,7 +163,7 @@ class LLMEngine:
             self.pool_size = size_pool(model.args, config.kv_budget_bytes(), config.block_size, self.backend.kv_dtype)
             self.runner = ModelRunner(model, self.backend, self.pool_size)
             if config.populate_kv:
-                self.runner.kv.populate()
+                self.populating = self.runner.kv.populate()
         self.prefix_store = self._open_prefix_store()
         self.block_manager = BlockManager(self.pool_size.num_blocks, config.block_size, config.enable_prefix_caching,
                                           self.prefix_store)
