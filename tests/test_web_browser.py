@@ -9,6 +9,7 @@ Screenshots go under the test's tmp_path, and to $EDGESERVE_TEST_ARTIFACTS when 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -311,6 +312,16 @@ def test_the_engine_panel_shows_the_answer_live_and_the_stop_button_ends_it(serv
                "the panel still shows the answer")
     assert re.fullmatch(r"\d+\.\d\d s \(mean \d+\.\d\d s\)", page.find("#fig-ttft").text)
     assert re.fullmatch(r"\d+ of \d+ prompt tokens \(\d+%\)", page.find("#fig-prefix").text)
+    # a request of another client that guesses (prompt lookup, asked for in its body): the panel tells how they fared
+    http.post(server.url + "/v1/completions", json={"prompt": "one two three one two three one two three one two",
+                                                   "max_tokens": 24, "temperature": 0, "speculative": "ngram"})
+    checks = metric(server, "edgeserve_speculative_checks_total")
+    right = metric(server, 'edgeserve_speculative_draft_tokens_total{result="accepted"}')
+    wrong = metric(server, 'edgeserve_speculative_draft_tokens_total{result="rejected"}')
+    assert checks > 0
+    share = math.floor(100 * right / (right + wrong) + 0.5)  # as JavaScript's Math.round rounds halves
+    shown = f"{share}% right, {(right + checks) / checks:.2f} tokens a check"
+    page.until(lambda: page.find("#fig-guesses").text == shown, 30, "the panel did not show the guesses")
     page.check_requests_and_console()
 
 

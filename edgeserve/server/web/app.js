@@ -524,6 +524,12 @@ function drawEngine(health, m, kv) {
   const hits = m.edgeserve_prefix_cache_hit_tokens_total;
   const queried = m.edgeserve_prefix_cache_query_tokens_total;
   $("fig-prefix").textContent = queried ? `${hits} of ${queried} prompt tokens (${Math.round((100 * hits) / queried)}%)` : "–";
+  // speculative decoding's guesses: the share that was right, and the tokens a request gained in a step that checked one
+  const right = m['edgeserve_speculative_draft_tokens_total{result="accepted"}'];
+  const wrong = m['edgeserve_speculative_draft_tokens_total{result="rejected"}'];
+  const checks = m.edgeserve_speculative_checks_total;
+  $("fig-guesses").textContent = checks
+    ? `${Math.round((100 * right) / (right + wrong))}% right, ${((right + checks) / checks).toFixed(2)} tokens a check` : "–";
   if (kv) drawKvMap(kv);
 }
 
