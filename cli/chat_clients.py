@@ -94,7 +94,7 @@ class ServingStatus:
         if not self.draft_checks or not self.draft_tokens or self.accepted_draft_tokens is None:
             return None
         per_check = (self.accepted_draft_tokens + self.draft_checks) / self.draft_checks
-        return f"{100 * self.accepted_draft_tokens / self.draft_tokens:.0f}% right   {per_check:.2f} tokens a check"
+        return f"{100 * self.accepted_draft_tokens / self.draft_tokens:.0f}% right, {per_check:.2f} tokens a check"
 
 
 class ChatClient(ABC):

@@ -550,7 +550,7 @@ async def test_the_engine_panel_shows_how_often_speculative_guesses_are_right(ti
                 await wait_until(pilot, lambda: not pane.answering, "the answer finishes")
                 st = await aengine.call(lambda e: e.stats())
                 assert st.draft_checks > 0
-                shown = (f"guesses  {100 * st.accepted_draft_tokens / st.draft_tokens:.0f}% right   "
+                shown = (f"guesses  {100 * st.accepted_draft_tokens / st.draft_tokens:.0f}% right, "
                          f"{(st.accepted_draft_tokens + st.draft_checks) / st.draft_checks:.2f} tokens a check")
                 await wait_until(pilot, lambda: shown in str(figures.render()), "the panel shows the engine's figures")
                 assert "speculative guesses: " + shown.removeprefix("guesses  ") in await stats_report(
