@@ -21,7 +21,8 @@ from edgeserve.engine.sampler import check_guess
 from edgeserve.engine.scheduler import ScheduledSeq
 from edgeserve.engine.sequence import Sequence
 from edgeserve.engine.speculative import (DECAY, EXPLORE_DRAFT, EXPLORE_EVERY, JUDGE_EVERY, JUDGE_EVERY_PAYS, JUDGE_MIN,
-                                          MIN_SAMPLES, PromptLookup, Speculator, StepCost, best_draft)
+                                          MIN_SAMPLES, PromptLookup, SharedLookup, Speculator, StepCost,
+                                          best_draft)
 from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import InvalidParamsError, SamplingParams
 
@@ -113,6 +114,34 @@ def test_prompt_lookup_indexes_the_tokens_as_they_grow_and_finds_what_a_scan_fin
         assert lookup.draft(tokens, 5) == scanned_draft(tokens, 5)
         other = tokens[::-1]
         assert lookup.draft(other, 5) == scanned_draft(other, 5)
+
+
+def test_the_shared_table_guesses_what_followed_in_an_earlier_answer_and_keeps_the_latest():
+    shared = SharedLookup(n=2, capacity=4, k=3)
+    shared.add([9, 1, 2, 3, 4, 5, 6], start=3)  # the answer is 3, 4, 5, 6: its first n-gram ends in the prompt
+    assert shared.draft([7, 7, 1, 2], 5) == [3, 4, 5]  # k tokens at most were kept
+    assert shared.draft([4, 5], 2) == [6] and shared.draft([8, 9], 3) == [] and shared.draft([2], 3) == []
+    assert shared.draft([1, 2], 0) == []
+    assert len(shared) == 4
+    shared.add([0, 0, 2, 3, 8], start=3)  # (2, 3) again, now followed by 8; then (3, 8) pushes out the oldest
+    assert shared.draft([2, 3], 3) == [8] and len(shared) == 4
+    assert shared.draft([1, 2], 3) == []  # (1, 2) was written longest ago
+
+
+def test_an_answer_repeated_later_is_guessed_from_the_shared_table(tiny_model):
+    # the tiny model's random text rarely repeats itself, so what is accepted comes from the first answer
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    prompt = tiny_model.tokenizer.encode("A short prompt the model answers twice.")
+    off = run(make_engine(tiny_model, "off"), {"a": (prompt, params)})["a"]
+    engine = make_engine(tiny_model, "ngram")
+    assert run(engine, {"a": (prompt, params)})["a"] == off
+    first = engine.stats().accepted_draft_tokens
+    assert len(engine.speculator.shared) > 50
+    assert run(engine, {"b": (prompt, params)})["b"] == off
+    assert engine.stats().accepted_draft_tokens - first >= 50  # nearly every token of the answer was guessed
+    quiet = make_engine(tiny_model, "off")
+    run(quiet, {"a": (prompt, params)})
+    assert len(quiet.speculator.shared) == 0  # nothing kept where nothing speculates
 
 
 def trained_cost(step_time, row_counts=range(1, 40)) -> StepCost:

@@ -589,6 +589,7 @@ class LLMEngine:
         return self.output.process(seq, token, logprob, grammar_complete)
 
     def _retire(self, seq: Sequence) -> None:
+        self.speculator.finished(seq)
         self.scheduler.finish(seq)
         self.constraints.drop(seq.request_id)
 

@@ -1,7 +1,9 @@
 """Speculative decoding's drafting side: guessing a sequence's next tokens, and drafting only where it pays.
 
 Prompt lookup (n-gram) drafting needs no second model: the last n tokens of a sequence are looked up in its
-prompt and output so far, and the tokens that followed their most recent earlier occurrence are the draft.
+prompt and output so far, and the tokens that followed their most recent earlier occurrence are the draft; and
+first in the answers the engine finished before (SharedLookup), where a regenerated answer, an agent's next
+edit of the same file or the same form filled again finds what its text repeats.
 A decode step then checks the draft in one pass (see LLMEngine): each guess is one more query row. A draft model
 (engine/drafter.py) guesses where no text repeats, at the cost of its own forward passes: the scheduler decides
 how long each sequence's draft is, and the draft model makes all of a step's drafts at once once it is scheduled.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
 MAX_DRAFT = 8  # tokens one draft may hold
 NGRAM_MAX = 3  # longest suffix looked up first
 NGRAM_MIN = 1
+SHARED_NGRAM = 4  # tokens a lookup in other requests' answers matches: more than within one, as it is less specific
+SHARED_ENTRIES = 1 << 15  # n-grams the shared table keeps, the least recently written dropped first (~10 MB)
 COST_WINDOW = 256  # recent steps the step times are read from
 MIN_SAMPLES = 3  # steps at a row count before their median is trusted
 EXPLORE_DRAFT = 2  # the draft "auto" tries now and then where its estimates advise against one
@@ -93,6 +97,35 @@ class PromptLookup:
             if end is not None:
                 return tokens[end + 1 : end + 1 + k]
         return []
+
+
+class SharedLookup:
+    """The n-grams of the answers an engine finished, each with the tokens that followed its latest occurrence
+    (llama.cpp shares such a table across its slots too). An answer's first n-grams reach back into its prompt, so
+    a request ending as an earlier one did gets that answer's first tokens as its guess."""
+
+    def __init__(self, n: int = SHARED_NGRAM, capacity: int = SHARED_ENTRIES, k: int = MAX_DRAFT):
+        self.n, self.capacity, self.k = n, capacity, k
+        self._next: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    def add(self, tokens: list[int], start: int) -> None:
+        """Index the answer tokens[start:] (a finished sequence's, start its prompt's length)."""
+        n, k, table = self.n, self.k, self._next
+        for end in range(max(start - 1, n - 1), len(tokens) - 1):
+            key = tuple(tokens[end - n + 1 : end + 1])
+            table[key] = tuple(tokens[end + 1 : end + 1 + k])
+            table.move_to_end(key)
+        while len(table) > self.capacity:
+            table.popitem(last=False)
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed tokens' last n in an answer indexed, or []."""
+        if k <= 0 or len(tokens) < self.n:
+            return []
+        return list(self._next.get(tuple(tokens[-self.n :]), ())[:k])
 
 
 class StepCost:
@@ -275,6 +308,7 @@ class Speculator:
         self.verify_steps = 0  # sequence-steps that checked a draft
         self._since_try = {"ngram": 0, "model": 0}  # steps since "auto" last tried each drafter's advised-against draft
         self.judge = DraftJudge()
+        self.shared = SharedLookup()
 
     def mode_for(self, seq: Sequence) -> str:
         """The request's own mode where it gave one, else the engine's."""
@@ -293,7 +327,10 @@ class Speculator:
             return self._model_draft(seq, most)
         if mode == "auto" and not self.judge.allows(decodes):
             return []
-        draft = seq.lookup.draft(seq.token_ids, most)
+        # a match in an earlier answer first: its four tokens say more than three of the sequence's own, and where it
+        # repeats such an answer it usually goes on doing so (own lookup is kept indexed either way)
+        own = seq.lookup.draft(seq.token_ids, most)
+        draft = self.shared.draft(seq.token_ids, most) or own
         if mode == "ngram":
             return draft
         # each drafter's best draft and its expected tokens per second (a try: -1), the faster taken
@@ -303,6 +340,11 @@ class Speculator:
         if model[0] and (not lookup[0] or model[1] > lookup[1]):
             return self._model_draft(seq, model[0])
         return draft[: lookup[0]]
+
+    def finished(self, seq: Sequence) -> None:
+        """Keep a finished sequence's answer for other requests' guesses, if it speculated."""
+        if self.mode_for(seq) != "off":
+            self.shared.add(seq.token_ids, seq.num_prompt_tokens)
 
     def _model_draft(self, seq: Sequence, k: int) -> list[int]:
         """k places for the draft model to fill, where its pool has room for them."""
