@@ -246,15 +246,17 @@ def speculative_request(engine: LLMEngine, task: str, max_tokens: int) -> tuple[
 
 def run_speculative(make_engine: Callable[[str], LLMEngine], modes: tuple[str, ...] = ("off", "auto", "ngram"),
                     max_tokens: int = 256, repeats: int = 2) -> list[dict]:
-    """Each task's greedy answer, alone, under each speculative mode (the best of `repeats` runs each; "off" first):
-    decode tokens/s, its ratio to "off", and how many guessed tokens were accepted."""
+    """Each task's greedy answer, alone, under each speculative mode (the best of `repeats` runs each, the modes
+    taking turns as in run_speculative_batch; "off" first): decode tokens/s, its ratio to "off", and how many
+    guessed tokens were accepted."""
     rows = []
     for task in tqdm(SPECULATIVE_TASKS, desc="speculative", unit="task", leave=False):
         row: dict = {"name": task}
         answers = set()
-        for mode in modes:
-            best = 0.0
-            for _ in range(repeats):
+        best = dict.fromkeys(modes, 0.0)
+        stats = {}
+        for _ in range(repeats):
+            for mode in modes:
                 engine = make_engine(mode)
                 engine.add_request(*speculative_request(engine, task, max_tokens), task)
                 first, tokens = None, []
@@ -263,13 +265,15 @@ def run_speculative(make_engine: Callable[[str], LLMEngine], modes: tuple[str, .
                         first = first or time.perf_counter()
                         tokens += out.token_ids
                 decode_time = time.perf_counter() - first
-                best = max(best, (len(tokens) - 1) / decode_time if len(tokens) > 1 else 0.0)
-            answers.add(tuple(tokens))
-            st = engine.stats()
-            row["output_tokens"] = len(tokens)
-            row[f"{mode}_decode_tokens_per_s"] = round(best, 1)
+                best[mode] = max(best[mode], (len(tokens) - 1) / decode_time if len(tokens) > 1 else 0.0)
+                answers.add(tuple(tokens))
+                stats[mode] = engine.stats()
+                row["output_tokens"] = len(tokens)
+        for mode in modes:
+            row[f"{mode}_decode_tokens_per_s"] = round(best[mode], 1)
             if mode != "off":
-                row[f"{mode}_over_off"] = round(best / row["off_decode_tokens_per_s"], 2)
+                st = stats[mode]
+                row[f"{mode}_over_off"] = round(best[mode] / best["off"], 2)
                 row[f"{mode}_draft_acceptance_rate"] = round(st.draft_acceptance_rate, 3)
                 checks = st.draft_checks
                 row[f"{mode}_tokens_per_check"] = round(1 + st.accepted_draft_tokens / checks, 2) if checks else 0.0
