@@ -192,21 +192,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A child's peak RSS as the kernel reports it is at least its parent's peak when it was forked (Linux carries a
+# process's high-water mark across fork and exec): the bandwidth probe's 1 GiB array made every later start of a
+# full run read 0.5x the model larger. So each timed command is started by a small Python process of its own,
+# which times it and reports the peak of its one child.
+_LAUNCHER = """import resource, subprocess, sys, time
+start = time.perf_counter()
+code = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode
+print(code, time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+
+
 def timed_process(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
     """Run a command to its exit: (wall seconds from launch, its peak resident bytes)."""
     with tempfile.TemporaryFile() as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode:
+        done = subprocess.run([sys.executable, "-c", _LAUNCHER, *cmd], stdout=subprocess.PIPE, stderr=err, env=env,
+                              text=True)
+        report = done.stdout.split()
+        # the command's exit code, or the launcher's where it could not start the command
+        code, wall, maxrss = (int(report[0]), float(report[1]), int(report[2])) if len(report) == 3 else (
+            done.returncode or 1, 0.0, 0)
+        if code:
             err.seek(0)
-            hint = illegal_instruction(proc.returncode)
-            raise ToolError(f"{' '.join(cmd[:4])} ... exited with {proc.returncode}{hint}:\n"
+            hint = illegal_instruction(code)
+            raise ToolError(f"{' '.join(cmd[:4])} ... exited with {code}{hint}:\n"
                             + err.read().decode(errors="replace")[-3000:])
     # ru_maxrss is KiB on Linux, bytes on macOS
-    return wall, usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return wall, maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 @contextmanager

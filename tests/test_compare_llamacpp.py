@@ -23,6 +23,13 @@ def test_a_timed_process_reports_its_wall_time_and_peak_memory():
     assert rss >= 200 << 20
 
 
+def test_a_timed_process_reports_its_own_peak_not_that_of_the_large_process_starting_it():
+    held = bytearray(600 << 20)  # as the bandwidth probe's array grows the benchmark's own process
+    held[:: 4096] = b"x" * len(held[:: 4096])  # every page touched, so resident
+    _, rss = compare.timed_process([sys.executable, "-c", "b = bytearray(50 << 20)"])
+    assert 50 << 20 <= rss < 300 << 20
+
+
 def test_a_failing_process_is_a_tool_error_with_its_output():
     with pytest.raises(compare.ToolError, match="the reason"):
         compare.timed_process([sys.executable, "-c", "import sys; sys.exit('the reason')"])
