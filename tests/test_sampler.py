@@ -4,9 +4,28 @@ import numpy as np
 import pytest
 
 from edgeserve.engine.constraints import MASKED_LOGIT
-from edgeserve.engine.sampler import LOGIT_LIMIT, keep_top_p, sample, sample_row, token_logprobs
+from edgeserve.engine.sampler import LOGIT_LIMIT, apply_penalties, keep_top_p, sample, sample_row, token_logprobs
 from edgeserve.engine.sequence import Sequence
 from edgeserve.sampling_params import SamplingParams
+
+
+def test_penalties_take_each_token_once_for_repetition_and_by_its_count_for_frequency():
+    params = SamplingParams(repetition_penalty=2.0, repeat_last_n=4, frequency_penalty=0.5, presence_penalty=0.25,
+                            logit_bias={7: 1.0})
+    seq = Sequence("r", [1, 2, 3, 3], params)
+    seq.token_ids += [3, 5, 5, 5]  # the output: 3 once, 5 three times; the last four tokens 3, 5, 5, 5
+    logits = np.arange(-4.0, 4.0)  # token t's logit is t - 4
+    want = logits.copy()
+    want[7] += 1.0
+    want[3] *= 2.0  # repeated and negative: multiplied, once however often it repeats
+    want[5] /= 2.0  # repeated and positive: divided
+    want[3] -= 0.5 * 1 + 0.25
+    want[5] -= 0.5 * 3 + 0.25
+    np.testing.assert_allclose(apply_penalties(logits.copy(), seq), want)
+    params.repeat_last_n = -1  # the whole prompt and output: 1 and 2 too
+    want[1] *= 2.0
+    want[2] *= 2.0
+    np.testing.assert_allclose(apply_penalties(logits.copy(), seq), want)
 
 
 def reference_top_p(probs: np.ndarray, top_p: float) -> set[int]:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from edgeserve.backends import cpu_kernels
@@ -23,11 +25,14 @@ def apply_penalties(logits: np.ndarray, seq: Sequence) -> np.ndarray:
         logits[ids] += np.fromiter(p.logit_bias.values(), dtype=np.float64)
     if p.repetition_penalty != 1.0 and p.repeat_last_n != 0:
         window = seq.token_ids if p.repeat_last_n < 0 else seq.token_ids[-p.repeat_last_n:]
-        seen = np.unique(np.asarray(window))
+        # sets, not np.unique: faster on a few dozen ids, and its first call imports numpy.ma (~10 ms of a start)
+        seen = np.fromiter(set(window), dtype=np.int64)
         vals = logits[seen]
         logits[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens:
-        ids, counts = np.unique(np.asarray(seq.output_ids), return_counts=True)
+        counted = Counter(seq.output_ids)
+        ids = np.fromiter(counted.keys(), dtype=np.int64, count=len(counted))
+        counts = np.fromiter(counted.values(), dtype=np.float64, count=len(counted))
         logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
     return logits
 
