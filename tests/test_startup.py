@@ -28,9 +28,9 @@ finally:
 """
 
 
-def _run(*args: str) -> tuple[str, list[str]]:
+def _run(*args: str, heavy: tuple[str, ...] = HEAVY) -> tuple[str, list[str]]:
     """stdout of `edgeserve ARGS` in a fresh interpreter, and the heavy modules it imported."""
-    done = subprocess.run([sys.executable, "-c", PROBE.format(heavy=HEAVY), *args], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", PROBE.format(heavy=heavy), *args], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout, json.loads(done.stderr.strip().splitlines()[-1])
@@ -87,6 +87,18 @@ def test_the_listing_summaries_are_the_commands_own():
         command = cli.get_command(ctx, name)
         assert command.name == name
         assert entry.summary == command.get_short_help_str(limit=10**6), name
+
+
+def test_an_answer_without_a_grammar_loads_no_grammar_engine(model_path, tmp_path):
+    # llguidance (~15 ms) loads when a grammar is compiled; numpy.ma (~10 ms) came with np.unique's first call,
+    # which the chat's default repeat penalty made
+    out, loaded = _run("run", "-m", str(model_path), "-n", "3", "Hi", heavy=("llguidance", "numpy.ma", "numpy"))
+    assert out.strip() and loaded == ["numpy"]
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    out, loaded = _run("run", "-m", str(model_path), "-n", "3", "--json-schema", str(schema), "Hi",
+                       heavy=("llguidance",))
+    assert out.strip().startswith("{") and loaded == ["llguidance"]
 
 
 def test_the_numpy_backend_imports_numba_only_for_the_fallback():

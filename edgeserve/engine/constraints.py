@@ -13,10 +13,9 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from edgeserve.engine.json_numbers import NumberBound, NumberScanner
 from edgeserve.engine.sequence import Sequence
@@ -28,6 +27,9 @@ from edgeserve.sampling_params import (
     SamplingParams,
 )
 from edgeserve.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # imported where a grammar is compiled: ~15 ms of every start, and most runs constrain nothing
+    import llguidance
 
 # A masked logit: far below any real one, finite so penalties, temperatures and logprobs stay finite.
 MASKED_LOGIT = -1e30
@@ -41,6 +43,8 @@ _PARAM = {"json_schema": "json_schema", "regex": "regex", "lark": "grammar"}
 
 def grammar_text(kind: str, source: str) -> str:
     """llguidance's grammar for a constraint (kind "json_schema", "regex" or "lark"); InvalidParamsError if malformed."""
+    import llguidance
+
     if kind == "json_schema":
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
@@ -69,6 +73,8 @@ def _finished(matcher: llguidance.LLMatcher) -> bool:
 
 def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     """The model's vocabulary for llguidance, with a mask bit for each of the model's `vocab_size` logits."""
+    import llguidance
+
     eos = sorted(tokenizer.eos_token_ids)
     with tempfile.TemporaryDirectory() as folder:
         tokenizer.save_pretrained(folder)
@@ -131,6 +137,8 @@ class Constraints:
 
     @cached_property
     def _executor(self) -> llguidance.LLExecutor:
+        import llguidance
+
         return llguidance.LLExecutor()
 
     def compile(self, params: SamplingParams) -> llguidance.LLMatcher | None:
@@ -159,6 +167,8 @@ class Constraints:
         return len(self._compiled)
 
     def _build(self, kind: str, source: str) -> llguidance.LLMatcher:
+        import llguidance
+
         param = _PARAM[kind]
         if len(source) > MAX_GRAMMAR_CHARS:
             raise InvalidParamsError(f"{param} is {len(source)} characters long; at most {MAX_GRAMMAR_CHARS} are "
@@ -221,6 +231,8 @@ class Constraints:
         return self._worker.submit(self._fill, rows, len(seqs))
 
     def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], num_rows: int) -> tuple[list[int], np.ndarray]:
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+
         bitmask = allocate_token_bitmask(num_rows, self.vocab_size)
         fill_next_token_bitmask_par(self._executor, rows, bitmask)  # llguidance's threads, without the GIL
         return [i for _, i in rows], bitmask
