@@ -309,8 +309,10 @@ class Bench:
                     theirs[name] = run
             self.progress.update(task, description=f"single, round {round_}: edgeserve bench -w single")
             mine = self.edgeserve_bench(task, "-w", "single")["single"]
-            ours = {key: max(value, ours[key]) if key in SINGLE_FIGURES and key in ours else value
-                    for key, value in mine.items()} if ours else mine
+            for key in SINGLE_FIGURES:
+                if key in ours:
+                    mine[key] = max(mine[key], ours[key])
+            ours = mine
         tg = theirs["tg128"]
         self.results["llama_cpp_build"] = {"commit": tg.get("build_commit"), "number": tg.get("build_number"),
                                            "cpu": tg.get("cpu_info"), "bin": str(self.bin)}
