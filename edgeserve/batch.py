@@ -9,16 +9,38 @@ import numpy as np
 
 
 @dataclass
+class Penalties:
+    """Each sampling row's logit bias and repeat penalties, applied on the device as the host's sampler applies
+    them (`sampler.apply_penalties`): the bias, then the repetition penalty on the tokens of the row's window,
+    then the frequency and presence penalties by each token's count in its output. Token lists are padded with
+    -1, which stands for no token."""
+
+    bias_ids: np.ndarray  # [S, B] int32
+    bias: np.ndarray  # [S, B] float32
+    window_ids: np.ndarray  # [S, W] int32, the distinct tokens the repetition penalty looks at
+    repetition: np.ndarray  # [S] float32, 1: off
+    output_ids: np.ndarray  # [S, O] int32, the distinct tokens of the output
+    output_counts: np.ndarray  # [S, O] float32, how often each
+    frequency: np.ndarray  # [S] float32
+    presence: np.ndarray  # [S] float32
+
+
+@dataclass
 class SamplingRows:
     """How each sampling row of a step draws its token on the device: temperature 0 takes the likeliest;
     otherwise temperature, then top-k (0: off), min-p and top-p (1: off) as the host's sampler applies them, and
-    a draw at `uniform` (a number in [0, 1) from the request's own generator) of the cumulative probabilities."""
+    a draw at `uniform` (a number in [0, 1) from the request's own generator) of the cumulative probabilities;
+    bias and penalties first where `penalties` has them."""
 
     temperature: np.ndarray  # [S] float
     top_k: np.ndarray  # [S] int
     top_p: np.ndarray  # [S] float
     min_p: np.ndarray  # [S] float
     uniform: np.ndarray  # [S] float
+    penalties: Penalties | None = None
+    # [S] each row's latest token where it is still on the device (a step launched ahead): it belongs to the row's
+    # repetition window and output, which `penalties` then lists without it
+    recent: Any = None
 
 
 @dataclass

@@ -17,26 +17,36 @@ pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edges
 SMALL_POOL = 10 * 8192
 
 
-def requests(logprobs: int | None, sampled: bool) -> list[tuple[int, list[int], SamplingParams]]:
+# a bias and every penalty, the repetition penalty over the whole sequence and over windows of 1 (only the token
+# still on the device when a step is launched ahead) and 3 tokens
+PENALTIES = [dict(repetition_penalty=1.5, repeat_last_n=n, frequency_penalty=0.6, presence_penalty=0.4,
+                  logit_bias={7: 1.5, 11: -2.0}) for n in (-1, 1, 3)]
+
+
+def requests(logprobs: int | None, sampled: bool, penalized: bool = False
+             ) -> list[tuple[int, list[int], SamplingParams]]:
     """(step it arrives before, prompt, params): prompts and lengths that end at different steps, a stop string;
-    sampled: seeded draws at a temperature, some with top-k, top-p and min-p."""
+    sampled: seeded draws at a temperature, some with top-k, top-p and min-p; penalized: most with a bias and
+    penalties."""
     out = []
     for i in range(10):
         prompt = [(7 * i + 3 * j) % 90 + 5 for j in range(3 + 4 * i)]
         draws = dict(temperature=0.9, seed=i, top_k=30 * (i % 2), top_p=0.95 if i % 3 else 1.0,
                      min_p=0.01 * (i % 2)) if sampled else dict(temperature=0.0)
+        penalties = PENALTIES[i % 3] if penalized and i % 4 else {}
         params = SamplingParams(max_tokens=6 + 5 * (i % 5), ignore_eos=i % 3 != 0, stop=["}~"] if i == 4 else [],
-                                logprobs=logprobs, **draws)
+                                logprobs=logprobs, **draws, **penalties)
         out.append((0 if i < 6 else 7, prompt, params))
     return out
 
 
-def generate(engine: LLMEngine, logprobs: int | None, sampled: bool) -> dict[int, list[int]]:
+def generate(engine: LLMEngine, logprobs: int | None, sampled: bool, penalized: bool = False
+             ) -> dict[int, list[int]]:
     """Each request's tokens, by its index; request 8 is aborted before step 10."""
     ids: dict[str, int] = {}
     tokens: dict[int, list[int]] = {}
     step = 0
-    pending = requests(logprobs, sampled)
+    pending = requests(logprobs, sampled, penalized)
     while pending or engine.has_unfinished():
         for i, (arrive, prompt, params) in enumerate(pending):
             if arrive <= step:
@@ -50,23 +60,28 @@ def generate(engine: LLMEngine, logprobs: int | None, sampled: bool) -> dict[int
     return tokens
 
 
+@pytest.mark.parametrize("penalized", [False, True], ids=["plain", "penalized"])
 @pytest.mark.parametrize("early", [False, True], ids=["after-fetch", "early"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_steps_launched_ahead_give_the_host_sampled_tokens(mlx_on_cpu, tiny_model, sampled, early,
+def test_steps_launched_ahead_give_the_host_sampled_tokens(mlx_on_cpu, tiny_model, sampled, early, penalized,
                                                           monkeypatch) -> None:
     """Tokens drawn on the device, with steps launched ahead (as on a GPU) and dropped where requests arrive,
     end, are aborted or preempted, are the host sampler's: sampled rows take their request's next number in
-    order, and a dropped step gives its numbers back. Float32 on the CPU, where a float tie is rare enough for
-    exact equality. early: each step launched before the one it follows is fetched (as on CUDA, where the K/V
-    writes go through the pool's pointer), so one is always in flight behind the other."""
+    order, and a dropped step gives its numbers back; a bias and penalties count the token a step launched
+    ahead has only on the device. Float32 on the CPU, where a float tie is rare enough for exact equality.
+    early: each step launched before the one it follows is fetched (as on CUDA, where the K/V writes go through
+    the pool's pointer), so one is always in flight behind the other."""
     ahead = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
     ahead.backend.computes_async = True
     monkeypatch.setattr(type(ahead.backend), "launch_early", early)
     host = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
-    got = generate(ahead, logprobs=None, sampled=sampled)
+    got = generate(ahead, logprobs=None, sampled=sampled, penalized=penalized)
     # logprobs take every row through the host's sampler, and no step is launched early
-    expected = generate(host, logprobs=0, sampled=sampled)
+    expected = generate(host, logprobs=0, sampled=sampled, penalized=penalized)
     assert got == expected
+    if penalized:  # the penalties changed what was drawn, so the comparison above saw them
+        assert expected != generate(LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL), logprobs=0,
+                                    sampled=sampled)
     stats = ahead.stats()
     assert stats.steps_launched_ahead > 10
     assert stats.preemptions > 0  # a preemption drops a step launched ahead, and the outputs stay right
@@ -137,3 +152,59 @@ def test_device_draws_are_the_host_samplers_draws(mlx_on_cpu, settings) -> None:
     assert (drawn == expected).mean() > 0.998  # float32 against float64 sums: a boundary may move by a hair
     assert set(np.unique(drawn)) <= set(np.flatnonzero(probs > 0))  # nothing the filters removed is ever drawn
     assert len(np.unique(drawn)) > 5
+
+
+@pytest.mark.parametrize("on_device", [0, 1, 2], ids=["none", "one", "two"])
+def test_device_penalties_are_the_host_samplers(mlx_on_cpu, on_device) -> None:
+    """Bias, repetition, frequency and presence penalties on the device, greedy and drawn, give the host's
+    choices; on_device: how many of each sequence's latest tokens are still on the device (a step launched ahead
+    has one; two shows that the device's tokens count only where the host's leave them out)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from edgeserve.backends.mlx_backend import MLXBackend, _penalized
+    from edgeserve.batch import SamplingRows
+    from edgeserve.engine.sampler import _processed, penalty_rows
+    from edgeserve.engine.sequence import Sequence
+
+    rng = np.random.default_rng(2)
+    vocab = 64
+    settings = [dict(repetition_penalty=1.8, repeat_last_n=n, frequency_penalty=f, presence_penalty=pr,
+                     logit_bias=bias) for n in (-1, 1, 2, 5, 0) for f, pr in ((0.0, 0.0), (0.7, 0.3))
+                for bias in ({}, {3: 2.5, 40: -1.0})] + [dict(logit_bias={5: 4.0})]
+    seqs = []
+    for i, kw in enumerate(settings):
+        seq = Sequence(str(i), rng.integers(0, vocab, 6).tolist(), SamplingParams(temperature=0.0, **kw))
+        seq.token_ids += rng.integers(0, 12, 10).tolist()  # outputs repeating a few tokens
+        seqs.append(seq)
+    logits = rng.standard_normal((len(seqs), vocab)).astype(np.float32) * 3
+    logits[:, :12] += 3  # the tokens the outputs repeat lead, so that the penalties decide
+    expected = np.stack([_processed(row.copy(), seq) for row, seq in zip(logits, seqs)])
+    if on_device == 1:
+        recent = [seq.token_ids.pop() for seq in seqs]
+        pen = penalty_rows(seqs, ahead=True)
+        for seq, token in zip(seqs, recent):
+            seq.token_ids.append(token)
+    else:
+        recent, pen = None, penalty_rows(seqs)
+        if on_device == 2:  # the host's lists already hold the latest token: counting it again must change things
+            recent = [seq.token_ids[-1] for seq in seqs]
+    device_recent = None if recent is None else mx.array(recent, mx.int32)
+    penalized = np.array(_penalized(mx.array(logits), pen, device_recent))
+    if on_device == 2:
+        assert not np.allclose(penalized, expected, rtol=1e-5, atol=1e-5)
+        return
+    np.testing.assert_allclose(penalized, expected, rtol=1e-5, atol=1e-5)
+    n = len(seqs)
+    plain = SamplingRows(np.zeros(n, np.float32), np.zeros(n, np.int64), np.ones(n, np.float32),
+                         np.zeros(n, np.float32), np.zeros(n), penalties=pen, recent=device_recent)
+    greedy = np.array(MLXBackend().sample(mx.array(logits), plain))
+    assert (greedy == expected.argmax(axis=1)).all()
+    assert (greedy != logits.argmax(axis=1)).sum() >= len(seqs) // 3  # the penalties changed many choices
+    # drawn at a temperature: the same token as the host's draw at the same number
+    hot = SamplingRows(np.ones(n, np.float32), np.zeros(n, np.int64), np.ones(n, np.float32), np.zeros(n, np.float32),
+                       rng.random(n), penalties=pen, recent=plain.recent)
+    drawn = np.array(MLXBackend().sample(mx.array(logits), hot))
+    probs = np.exp(expected - expected.max(axis=1, keepdims=True))
+    cdf = np.cumsum(probs, axis=1) / probs.sum(axis=1, keepdims=True)
+    assert drawn.tolist() == [int(np.searchsorted(c, u, side="right")) for c, u in zip(cdf, hot.uniform)]

@@ -20,7 +20,7 @@ import numpy as np
 from edgeserve.backends.base import PartialSum
 from edgeserve.backends.kv_formats import int8_kv_group, kv_head_bytes
 from edgeserve.backends.mlx_blocks import CompiledBlocks, rope_rows
-from edgeserve.batch import Batch, SamplingRows
+from edgeserve.batch import Batch, Penalties, SamplingRows
 from edgeserve.errors import EdgeserveError
 from edgeserve.metal import select_attention
 from edgeserve.metal.kernels import upload_ints
@@ -302,6 +302,8 @@ class MLXBackend:
     def sample(self, logits: mx.array, rows: SamplingRows | None) -> mx.array:
         if logits.size == 0:  # a step of prefill chunks that sample nothing; MLX's argmax rejects empty rows
             return mx.zeros((logits.shape[0],), dtype=mx.int32)
+        if rows is not None and rows.penalties is not None:
+            logits = _penalized(logits, rows.penalties, rows.recent)
         greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
         if rows is None or not rows.temperature.any():
             return greedy
@@ -331,6 +333,29 @@ def store_int8(values: mx.array) -> mx.array:
     inv = mx.where(wide > 0, 1 / wide, 0)  # a group of zeros has scale 0 and values 0
     q = mx.clip(mx.round(groups * inv), -127, 127).astype(mx.int8).reshape(x.shape)
     return mx.concatenate([q, scale[..., 0].view(mx.int8)], axis=-1)
+
+
+def _penalized(logits: mx.array, pen: Penalties, recent: mx.array | None) -> mx.array:
+    """Logits in float32 after each row's bias and penalties (engine/sampler.py's apply_penalties); recent: each
+    row's latest token, which pen's windows and outputs leave out."""
+    rows, vocab = logits.shape
+
+    def per_token(ids: Any, values: Any) -> mx.array:
+        """[rows, vocab]: values added up at each row's ids; the padding id -1 lands in a column cut off after."""
+        ids = mx.array(ids)
+        return mx.zeros((rows, vocab + 1), mx.float32).at[mx.arange(rows)[:, None], ids].add(
+            mx.broadcast_to(mx.array(values, mx.float32), ids.shape))[:, :vocab]
+
+    window, output, counts = pen.window_ids, pen.output_ids, pen.output_counts
+    if recent is not None:
+        latest = recent.astype(mx.int32)[:, None]
+        window, output = mx.concatenate([mx.array(window), latest], 1), mx.concatenate([mx.array(output), latest], 1)
+        counts = mx.concatenate([mx.array(counts), mx.ones((rows, 1), mx.float32)], 1)
+    x = logits.astype(mx.float32) + per_token(pen.bias_ids, pen.bias)
+    repetition = mx.array(pen.repetition)[:, None]
+    x = mx.where(per_token(window, 1.0) > 0, mx.where(x > 0, x / repetition, x * repetition), x)
+    seen = per_token(output, counts)
+    return x - (mx.array(pen.frequency)[:, None] * seen + mx.array(pen.presence)[:, None] * (seen > 0))
 
 
 def _draw(logits: mx.array, rows: SamplingRows) -> mx.array:

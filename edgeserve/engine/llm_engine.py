@@ -25,7 +25,7 @@ from edgeserve.engine.kv_budget import size_pool
 from edgeserve.engine.model_runner import ModelRunner
 from edgeserve.engine.prefix_store import PrefixStore, namespace_key
 from edgeserve.engine.output import Completion, OutputProcessor, RequestOutput, merge_outputs
-from edgeserve.engine.sampler import check_guess, penalizes, sample, token_logprobs
+from edgeserve.engine.sampler import check_guess, penalizes, penalty_rows, sample, token_logprobs
 from edgeserve.engine.scheduler import ScheduledSeq, Scheduler
 from edgeserve.engine.sequence import Sequence
 from edgeserve.engine.speculative import PENDING, Speculator
@@ -377,28 +377,33 @@ class LLMEngine:
 
     def _sampled_on_device(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether the step's sampling rows can all draw their token on the backend's device: none checks a draft
-        or has a penalty, bias, grammar or logprobs to apply on the host; greedy ones anywhere, sampled ones where
-        the device computes apart from the host (`computes_async`: elsewhere the host's sampler is as fast)."""
+        or has a grammar or logprobs to apply on the host; plain greedy ones anywhere, sampled ones and those with
+        a bias or penalty where the device computes apart from the host (`computes_async`: elsewhere the host's
+        sampler is as fast)."""
         def on_device(seq: Sequence) -> bool:
             p = seq.params
-            return (not penalizes(seq) and p.logprobs is None and not self.constraints.constrains(seq.request_id)
-                    and (p.greedy or self.backend.computes_async))
+            return (p.logprobs is None and not self.constraints.constrains(seq.request_id)
+                    and ((p.greedy and not penalizes(seq)) or self.backend.computes_async))
 
         return all(not item.draft and (not item.samples or on_device(item.seq)) for item in scheduled)
 
     @staticmethod
-    def _sampling_rows(seqs: list[Sequence]) -> SamplingRows | None:
+    def _sampling_rows(seqs: list[Sequence], recent: Any = None) -> SamplingRows | None:
         """How seqs' rows draw on the device, each sampled one with its generator's next number (as the host's
-        sampler takes it); None where all are greedy."""
+        sampler takes it), and their biases and penalties; None where all are greedy and plain. recent: each
+        sequence's latest token where it is still on the device (a step launched ahead)."""
         params = [seq.params for seq in seqs]
-        if all(p.greedy for p in params):
+        penalized = any(penalizes(seq) for seq in seqs)
+        if all(p.greedy for p in params) and not penalized:
             return None
         return SamplingRows(
             temperature=np.array([0.0 if p.greedy else p.temperature for p in params], np.float32),
             top_k=np.array([p.top_k for p in params], np.int64),
             top_p=np.array([p.top_p for p in params], np.float32),
             min_p=np.array([p.min_p for p in params], np.float32),
-            uniform=np.array([0.0 if p.greedy else seq.rng.random() for seq, p in zip(seqs, params)]))
+            uniform=np.array([0.0 if p.greedy else seq.rng.random() for seq, p in zip(seqs, params)]),
+            penalties=penalty_rows(seqs, ahead=recent is not None) if penalized else None,
+            recent=recent if penalized else None)
 
     def _drop_ahead(self) -> None:
         if self._ahead is not None:
@@ -462,7 +467,7 @@ class LLMEngine:
         self._move_tiers()  # blocks those slots took from the prefix cache: read before the step overwrites them
         items = [ScheduledSeq(seq, 1, ahead=True) for seq in seqs]
         generators = [(seq, seq.rng.bit_generator.state) for seq in seqs if not seq.params.greedy]
-        ahead = self.runner.sampled_tokens(items, self._sampling_rows(seqs), device_tokens=tokens,
+        ahead = self.runner.sampled_tokens(items, self._sampling_rows(seqs, recent=tokens), device_tokens=tokens,
                                            profile=self.profile)
         return LaunchedAhead(seqs, [item.first_position for item in items], ahead, generators)
 

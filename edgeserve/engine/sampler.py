@@ -8,6 +8,7 @@ from collections import Counter
 import numpy as np
 
 from edgeserve.backends import cpu_kernels
+from edgeserve.batch import Penalties
 from edgeserve.engine.sequence import Sequence
 
 # Far beyond any real logit, and still finite once divided by the smallest sampled temperature.
@@ -35,6 +36,36 @@ def apply_penalties(logits: np.ndarray, seq: Sequence) -> np.ndarray:
         counts = np.fromiter(counted.values(), dtype=np.float64, count=len(counted))
         logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
     return logits
+
+
+def penalty_rows(seqs: list[Sequence], ahead: bool = False) -> Penalties:
+    """seqs' biases and penalties as the device applies them (the same as apply_penalties); ahead: each sequence
+    has one more token, still on the device (`SamplingRows.recent`), which its window and output then leave out."""
+    bias, window, repetition, output = [], [], [], []
+    for seq in seqs:
+        p = seq.params
+        bias.append(p.logit_bias)
+        on = p.repetition_penalty != 1.0 and p.repeat_last_n != 0
+        repetition.append(p.repetition_penalty if on else 1.0)  # 1 also where the device's own token is its window
+        n = p.repeat_last_n - ahead  # the tokens of the window the host has
+        window.append(set(seq.token_ids if p.repeat_last_n < 0 else seq.token_ids[-n:]) if on and n else ())
+        output.append(Counter(seq.output_ids) if p.frequency_penalty or p.presence_penalty else {})
+    return Penalties(
+        bias_ids=_padded([list(b) for b in bias], np.int32, -1), bias=_padded([list(b.values()) for b in bias]),
+        window_ids=_padded([list(w) for w in window], np.int32, -1),
+        repetition=np.array(repetition, np.float32),
+        output_ids=_padded([list(c) for c in output], np.int32, -1),
+        output_counts=_padded([list(c.values()) for c in output]),
+        frequency=np.array([seq.params.frequency_penalty for seq in seqs], np.float32),
+        presence=np.array([seq.params.presence_penalty for seq in seqs], np.float32))
+
+
+def _padded(rows: list[list], dtype: type = np.float32, fill: float = 0) -> np.ndarray:
+    """Lists as the rows of one array, each padded with fill to the longest (at least one column)."""
+    out = np.full((len(rows), max([1, *map(len, rows)])), fill, dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
 
 
 def _processed(logits: np.ndarray, seq: Sequence) -> np.ndarray:
