@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from edgeserve.backends import ACTIVATION_MODES, BACKENDS, DEFAULT_ACTIVATIONS, DEFAULT_CPU_KV_DTYPE, KV_DTYPES, WEIGHT_MODES
+from edgeserve.backends import ACTIVATION_MODES, BACKENDS, DEFAULT_ACTIVATIONS, KV_DTYPES, WEIGHT_MODES
 from edgeserve.config import (DEFAULT_KV_MEMORY, DEFAULT_PREFIX_CACHE_RAM, DISTRIBUTED_MODES, SPECULATIVE_MODES,
                               EngineConfig)
 from edgeserve.errors import EdgeserveError
@@ -99,7 +99,7 @@ def model_options(run: Callable | None = None, *, ctx_default: str = "the model'
                      help="KV pool element type: float16 holds twice the tokens of float32 in the same --kv-memory, "
                           "int8 (a scale per 64 values of a token's head) about four times; `edgeserve eval kv` "
                           "measures what each costs (pair them with --activations int16 on small models). auto: "
-                          f"{DEFAULT_CPU_KV_DTYPE} on the CPU, the activations' dtype on MLX.")(f)
+                          "float16 on the CPU (float32 with --weights float32), the activations' dtype on MLX.")(f)
     f = click.option("--kv-memory", default=DEFAULT_KV_MEMORY, show_default=True,
                      help="KV pool size: 2GiB, 512MiB, or a fraction of free memory (0.25, 25%), whatever the "
                           "--kv-dtype.")(f)

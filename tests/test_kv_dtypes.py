@@ -108,6 +108,16 @@ def test_the_pool_holds_more_tokens_in_the_same_memory(loaded_model):
     assert "of int8" in sizes["int8"].describe() and "tokens/GiB" in sizes["int8"].describe()
 
 
+def test_auto_is_float16_for_quantized_weights_and_float32_for_the_reference(loaded_model):
+    """The CPU's default pool: float16 where the weights stay quantized (the default for a quantized model),
+    float32 beside float32 weights, which are there to be exact."""
+    assert LLMEngine(loaded_model, backend="numpy", kv_memory="8MiB").runner.kv.k[0].dtype == np.float16
+    exact = LLMEngine(loaded_model, backend="numpy", weights="float32", kv_memory="8MiB")
+    assert exact.runner.kv.k[0].dtype == np.float32
+    assert LLMEngine(loaded_model, backend="numpy", kv_memory="8MiB", kv_dtype="float32").runner.kv.k[0].dtype == \
+        np.float32
+
+
 def kv_engine(model, kv_dtype: str) -> LLMEngine:
     return LLMEngine(model, backend="numpy", weights="quantized", kv_memory="32MiB", kv_dtype=kv_dtype)
 
