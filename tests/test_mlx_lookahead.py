@@ -8,7 +8,7 @@ import pytest
 
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.engine.step_profile import PHASES, StepProfile
-from edgeserve.sampling_params import SamplingParams
+from edgeserve.sampling_params import GrammarTrigger, SamplingParams
 
 pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]'): MLX backend not tested")
 
@@ -23,30 +23,35 @@ PENALTIES = [dict(repetition_penalty=1.5, repeat_last_n=n, frequency_penalty=0.6
                   logit_bias={7: 1.5, 11: -2.0}) for n in (-1, 1, 3)]
 
 
-def requests(logprobs: int | None, sampled: bool, penalized: bool = False
+# free until the output writes an "e" (as a tool call's grammar waits for its opening tag), then "!?" and the end
+TRIGGERED = dict(grammar='start: lead "!?"\nlead[lazy]: /[^e]*e/\n', grammar_trigger=GrammarTrigger(text="e"))
+
+
+def requests(logprobs: int | None, sampled: bool, penalized: bool = False, triggered: bool = False
              ) -> list[tuple[int, list[int], SamplingParams]]:
     """(step it arrives before, prompt, params): prompts and lengths that end at different steps, a stop string;
     sampled: seeded draws at a temperature, some with top-k, top-p and min-p; penalized: most with a bias and
-    penalties."""
+    penalties; triggered: half with a grammar that binds once their output writes its trigger."""
     out = []
     for i in range(10):
         prompt = [(7 * i + 3 * j) % 90 + 5 for j in range(3 + 4 * i)]
         draws = dict(temperature=0.9, seed=i, top_k=30 * (i % 2), top_p=0.95 if i % 3 else 1.0,
                      min_p=0.01 * (i % 2)) if sampled else dict(temperature=0.0)
         penalties = PENALTIES[i % 3] if penalized and i % 4 else {}
-        params = SamplingParams(max_tokens=6 + 5 * (i % 5), ignore_eos=i % 3 != 0, stop=["}~"] if i == 4 else [],
-                                logprobs=logprobs, **draws, **penalties)
+        grammar = TRIGGERED if triggered and i % 2 else {}
+        params = SamplingParams(max_tokens=6 + 5 * (i % 5) + 30 * bool(grammar), ignore_eos=i % 3 != 0,
+                                stop=["}~"] if i == 4 else [], logprobs=logprobs, **draws, **penalties, **grammar)
         out.append((0 if i < 6 else 7, prompt, params))
     return out
 
 
-def generate(engine: LLMEngine, logprobs: int | None, sampled: bool, penalized: bool = False
-             ) -> dict[int, list[int]]:
+def generate(engine: LLMEngine, logprobs: int | None, sampled: bool, penalized: bool = False,
+             triggered: bool = False) -> dict[int, list[int]]:
     """Each request's tokens, by its index; request 8 is aborted before step 10."""
     ids: dict[str, int] = {}
     tokens: dict[int, list[int]] = {}
     step = 0
-    pending = requests(logprobs, sampled, penalized)
+    pending = requests(logprobs, sampled, penalized, triggered)
     while pending or engine.has_unfinished():
         for i, (arrive, prompt, params) in enumerate(pending):
             if arrive <= step:
@@ -88,6 +93,22 @@ def test_steps_launched_ahead_give_the_host_sampled_tokens(mlx_on_cpu, tiny_mode
     assert host.stats().steps_launched_ahead == 0
     # whatever was launched and dropped, every block is back once all requests are done
     assert stats.kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["after-fetch", "early"])
+def test_grammars_waiting_for_their_trigger_sample_on_the_device(mlx_on_cpu, tiny_model, early, monkeypatch) -> None:
+    """Requests whose grammar waits for a trigger (tool calls) draw their free tokens on the device, steps
+    launched ahead included; the step launched ahead of a grammar binding is dropped, and from there the host
+    masks its tokens: the same tokens as the host's sampler throughout, the grammar followed once bound."""
+    ahead = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
+    ahead.backend.computes_async = True
+    monkeypatch.setattr(type(ahead.backend), "launch_early", early)
+    host = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
+    got = generate(ahead, logprobs=None, sampled=True, triggered=True)
+    assert got == generate(host, logprobs=0, sampled=True, triggered=True)
+    # the grammar bound at an "e" and ended the request with "!?" (the others never wrote one)
+    assert sum(tiny_model.tokenizer.decode(got[i]).endswith("e!?") for i in range(1, 10, 2)) >= 2
+    assert ahead.stats().steps_launched_ahead > 10
 
 
 def test_no_step_is_launched_ahead_where_the_device_is_the_host(mlx_on_cpu, tiny_model) -> None:

@@ -219,9 +219,10 @@ class Constraints:
         self._waiting.pop(request_id, None)
         self._openings.pop(request_id, None)
 
-    def constrains(self, request_id: str) -> bool:
-        """Whether the request has a grammar, bound or waiting for its trigger."""
-        return request_id in self._matchers or request_id in self._waiting
+    def masks(self, request_id: str) -> bool:
+        """Whether the request's next token is masked by its grammar: bound, not waiting for its trigger (its tokens
+        are then free, and only watched once sampled)."""
+        return request_id in self._matchers
 
     def start_masks(self, seqs: list[Sequence]) -> Future | None:
         """Start computing the masks of the constrained rows among seqs (row i is seqs[i]); None if none is."""

@@ -377,12 +377,13 @@ class LLMEngine:
 
     def _sampled_on_device(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether the step's sampling rows can all draw their token on the backend's device: none checks a draft
-        or has a grammar or logprobs to apply on the host; plain greedy ones anywhere, sampled ones and those with
-        a bias or penalty where the device computes apart from the host (`computes_async`: elsewhere the host's
-        sampler is as fast)."""
+        or has a grammar's mask or logprobs to apply on the host (a grammar waiting for its trigger, as tool calls'
+        do, masks nothing); plain greedy ones anywhere, sampled ones and those with a bias or penalty where the
+        device computes apart from the host (`computes_async`: elsewhere the host's sampler is as fast). A step
+        launched ahead is dropped once a grammar binds: the next step then takes the host's sampler."""
         def on_device(seq: Sequence) -> bool:
             p = seq.params
-            return (p.logprobs is None and not self.constraints.constrains(seq.request_id)
+            return (p.logprobs is None and not self.constraints.masks(seq.request_id)
                     and ((p.greedy and not penalizes(seq)) or self.backend.computes_async))
 
         return all(not item.draft and (not item.samples or on_device(item.seq)) for item in scheduled)
