@@ -30,7 +30,7 @@ class SamplingRows:
     """How each sampling row of a step draws its token on the device: temperature 0 takes the likeliest;
     otherwise temperature, then top-k (0: off), min-p and top-p (1: off) as the host's sampler applies them, and
     a draw at `uniform` (a number in [0, 1) from the request's own generator) of the cumulative probabilities;
-    bias and penalties first where `penalties` has them."""
+    bias and penalties first where `penalties` has them, and only the tokens `allowed` holds."""
 
     temperature: np.ndarray  # [S] float
     top_k: np.ndarray  # [S] int
@@ -41,6 +41,9 @@ class SamplingRows:
     # [S] each row's latest token where it is still on the device (a step launched ahead): it belongs to the row's
     # repetition window and output, which `penalties` then lists without it
     recent: Any = None
+    # [S, ceil(vocab / 8)] uint8: the tokens each row may take (its grammar's mask), one bit each, little-endian
+    # within a byte; None: every token
+    allowed: np.ndarray | None = None
 
 
 @dataclass

@@ -23,22 +23,25 @@ PENALTIES = [dict(repetition_penalty=1.5, repeat_last_n=n, frequency_penalty=0.6
                   logit_bias={7: 1.5, 11: -2.0}) for n in (-1, 1, 3)]
 
 
-# free until the output writes an "e" (as a tool call's grammar waits for its opening tag), then "!?" and the end
-TRIGGERED = dict(grammar='start: lead "!?"\nlead[lazy]: /[^e]*e/\n', grammar_trigger=GrammarTrigger(text="e"))
+# up to an "e", then "!?" and the end; triggered: free until the output writes the "e" (as a tool call's grammar
+# waits for its opening tag), then bound from it
+GRAMMAR = 'start: lead "!?"\nlead[lazy]: /[^e]*e/\n'
+TRIGGERED = dict(grammar=GRAMMAR, grammar_trigger=GrammarTrigger(text="e"))
 
 
 def requests(logprobs: int | None, sampled: bool, penalized: bool = False, triggered: bool = False
              ) -> list[tuple[int, list[int], SamplingParams]]:
     """(step it arrives before, prompt, params): prompts and lengths that end at different steps, a stop string;
     sampled: seeded draws at a temperature, some with top-k, top-p and min-p; penalized: most with a bias and
-    penalties; triggered: half with a grammar that binds once their output writes its trigger."""
+    penalties; triggered: half with a grammar that binds once their output writes its trigger, and a quarter with
+    that grammar bound from the start."""
     out = []
     for i in range(10):
         prompt = [(7 * i + 3 * j) % 90 + 5 for j in range(3 + 4 * i)]
         draws = dict(temperature=0.9, seed=i, top_k=30 * (i % 2), top_p=0.95 if i % 3 else 1.0,
                      min_p=0.01 * (i % 2)) if sampled else dict(temperature=0.0)
         penalties = PENALTIES[i % 3] if penalized and i % 4 else {}
-        grammar = TRIGGERED if triggered and i % 2 else {}
+        grammar = {} if not triggered or i % 4 == 0 else TRIGGERED if i % 2 else dict(grammar=GRAMMAR)
         params = SamplingParams(max_tokens=6 + 5 * (i % 5) + 30 * bool(grammar), ignore_eos=i % 3 != 0,
                                 stop=["}~"] if i == 4 else [], logprobs=logprobs, **draws, **penalties, **grammar)
         out.append((0 if i < 6 else 7, prompt, params))
@@ -96,19 +99,51 @@ def test_steps_launched_ahead_give_the_host_sampled_tokens(mlx_on_cpu, tiny_mode
 
 
 @pytest.mark.parametrize("early", [False, True], ids=["after-fetch", "early"])
-def test_grammars_waiting_for_their_trigger_sample_on_the_device(mlx_on_cpu, tiny_model, early, monkeypatch) -> None:
-    """Requests whose grammar waits for a trigger (tool calls) draw their free tokens on the device, steps
-    launched ahead included; the step launched ahead of a grammar binding is dropped, and from there the host
-    masks its tokens: the same tokens as the host's sampler throughout, the grammar followed once bound."""
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_grammars_mask_on_the_device(mlx_on_cpu, tiny_model, sampled, early, monkeypatch) -> None:
+    """Rows masked by their grammar take the mask to the device, and no step is launched ahead of them; requests
+    whose grammar waits for a trigger (tool calls) draw their free tokens on the device, steps launched ahead
+    included, and the step launched ahead of a grammar binding is dropped: the host's sampler's tokens throughout,
+    and no step of the host's."""
     ahead = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
     ahead.backend.computes_async = True
     monkeypatch.setattr(type(ahead.backend), "launch_early", early)
+    host_steps = []
+    monkeypatch.setattr(ahead, "_host_step", lambda scheduled: host_steps.append(scheduled))
     host = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
-    got = generate(ahead, logprobs=None, sampled=True, triggered=True)
-    assert got == generate(host, logprobs=0, sampled=True, triggered=True)
-    # the grammar bound at an "e" and ended the request with "!?" (the others never wrote one)
-    assert sum(tiny_model.tokenizer.decode(got[i]).endswith("e!?") for i in range(1, 10, 2)) >= 2
-    assert ahead.stats().steps_launched_ahead > 10
+    got = generate(ahead, logprobs=None, sampled=sampled, triggered=True)
+    assert got == generate(host, logprobs=0, sampled=sampled, triggered=True)
+    assert not host_steps
+    # the grammars changed what the requests bound from the start wrote
+    free = generate(LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL), logprobs=0, sampled=sampled)
+    assert got[2] != free[2] and got[6] != free[6]
+    if sampled:  # and, bound from the start or at an "e", ended requests with "!?"
+        assert sum(tiny_model.tokenizer.decode(got[i]).endswith("e!?") for i in got if i % 4) >= 3
+    assert ahead.stats().steps_launched_ahead > 5
+
+
+def test_a_mask_that_allows_nothing_fails_its_request_alone(mlx_on_cpu, tiny_model, monkeypatch) -> None:
+    """A grammar's mask with no token left (or one that could not be computed) fails that request with a message;
+    the batch's other requests run on."""
+    import numpy as np
+
+    engine = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
+    engine.backend.computes_async = True
+    forbidden = engine.constraints.forbidden
+
+    def nothing_allowed(pending, seqs):
+        masks, failed = forbidden(pending, seqs)
+        return {row: np.ones_like(mask) for row, mask in masks.items()}, failed
+
+    monkeypatch.setattr(engine.constraints, "forbidden", nothing_allowed)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    free = engine.add_request([5, 6, 7], params)
+    masked = engine.add_request([5, 6, 8], SamplingParams(max_tokens=8, temperature=0.0, grammar=GRAMMAR))
+    outputs = []
+    results = engine.run_to_completion(outputs.extend)
+    assert [(out.token_ids, out.error) for out in outputs if out.request_id == masked] == [
+        ([], "no token is allowed")]
+    assert not any(out.error for out in outputs if out.request_id == free) and len(results[free].token_ids) == 8
 
 
 def test_no_step_is_launched_ahead_where_the_device_is_the_host(mlx_on_cpu, tiny_model) -> None:

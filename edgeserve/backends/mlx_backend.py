@@ -304,6 +304,10 @@ class MLXBackend:
             return mx.zeros((logits.shape[0],), dtype=mx.int32)
         if rows is not None and rows.penalties is not None:
             logits = _penalized(logits, rows.penalties, rows.recent)
+        if rows is not None and rows.allowed is not None:  # after the penalties, which must not lift a mask
+            bits = mx.array(rows.allowed)[:, :, None] >> mx.arange(8, dtype=mx.uint8)
+            allowed = (bits & 1).reshape(len(rows.allowed), -1)[:, : logits.shape[1]].astype(mx.bool_)
+            logits = mx.where(allowed, logits, -mx.inf)
         greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
         if rows is None or not rows.temperature.any():
             return greedy

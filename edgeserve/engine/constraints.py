@@ -243,17 +243,24 @@ class Constraints:
 
         Returns the rows whose masks could not be computed, with why: those requests fail, the rest go on.
         """
+        masks, failed = self.forbidden(pending, seqs)
+        for row, mask in masks.items():
+            np.copyto(logits[row], MASKED_LOGIT, where=mask)
+        return failed
+
+    def forbidden(self, pending: Future | None, seqs: list[Sequence]) -> tuple[dict[int, np.ndarray], dict[int, str]]:
+        """The tokens each constrained row's grammar forbids (bool [vocab_size]), by row (row i is seqs[i]), and
+        the rows whose masks could not be computed, with why."""
         if pending is None:
-            return {}
+            return {}, {}
         try:
             rows, bitmask = pending.result()
         except Exception as exc:  # the grammar engine failing must not fail the free rows
-            return {i: f"grammar mask failed: {exc}" for i, seq in enumerate(seqs) if seq.request_id in self._matchers}
+            return {}, {i: f"grammar mask failed: {exc}" for i, seq in enumerate(seqs)
+                        if seq.request_id in self._matchers}
         forbidden = np.unpackbits(~bitmask[rows].view(np.uint8), axis=1, bitorder="little").view(bool)
-        for row, mask in zip(rows, forbidden):
-            mask = self._bound_numbers(seqs[row].request_id, mask[: logits.shape[1]])
-            np.copyto(logits[row], MASKED_LOGIT, where=mask)
-        return {}
+        return {row: self._bound_numbers(seqs[row].request_id, mask[: self.vocab_size])
+                for row, mask in zip(rows, forbidden)}, {}
 
     def _bound_numbers(self, request_id: str, mask: np.ndarray) -> np.ndarray:
         """mask, also forbidding the tokens that would run a number past its digits, where others remain."""

@@ -377,25 +377,27 @@ class LLMEngine:
 
     def _sampled_on_device(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether the step's sampling rows can all draw their token on the backend's device: none checks a draft
-        or has a grammar's mask or logprobs to apply on the host (a grammar waiting for its trigger, as tool calls'
-        do, masks nothing); plain greedy ones anywhere, sampled ones and those with a bias or penalty where the
-        device computes apart from the host (`computes_async`: elsewhere the host's sampler is as fast). A step
-        launched ahead is dropped once a grammar binds: the next step then takes the host's sampler."""
+        or asks for logprobs; plain greedy ones anywhere, sampled ones and those with a bias, a penalty or a
+        grammar's mask where the device computes apart from the host (`computes_async`: elsewhere the host's
+        sampler is as fast). A grammar waiting for its trigger (tool calls) masks nothing until it binds."""
         def on_device(seq: Sequence) -> bool:
             p = seq.params
-            return (p.logprobs is None and not self.constraints.masks(seq.request_id)
-                    and ((p.greedy and not penalizes(seq)) or self.backend.computes_async))
+            return p.logprobs is None and (
+                (p.greedy and not penalizes(seq) and not self.constraints.masks(seq.request_id))
+                or self.backend.computes_async)
 
         return all(not item.draft and (not item.samples or on_device(item.seq)) for item in scheduled)
 
     @staticmethod
-    def _sampling_rows(seqs: list[Sequence], recent: Any = None) -> SamplingRows | None:
+    def _sampling_rows(seqs: list[Sequence], recent: Any = None, allowed: np.ndarray | None = None
+                       ) -> SamplingRows | None:
         """How seqs' rows draw on the device, each sampled one with its generator's next number (as the host's
-        sampler takes it), and their biases and penalties; None where all are greedy and plain. recent: each
-        sequence's latest token where it is still on the device (a step launched ahead)."""
+        sampler takes it), and their biases, penalties and grammars' masks (allowed); None where all are greedy
+        and plain. recent: each sequence's latest token where it is still on the device (a step launched
+        ahead)."""
         params = [seq.params for seq in seqs]
         penalized = any(penalizes(seq) for seq in seqs)
-        if all(p.greedy for p in params) and not penalized:
+        if all(p.greedy for p in params) and not penalized and allowed is None:
             return None
         return SamplingRows(
             temperature=np.array([0.0 if p.greedy else p.temperature for p in params], np.float32),
@@ -404,7 +406,8 @@ class LLMEngine:
             min_p=np.array([p.min_p for p in params], np.float32),
             uniform=np.array([0.0 if p.greedy else seq.rng.random() for seq, p in zip(seqs, params)]),
             penalties=penalty_rows(seqs, ahead=recent is not None) if penalized else None,
-            recent=recent if penalized else None)
+            recent=recent if penalized else None,
+            allowed=allowed)
 
     def _drop_ahead(self) -> None:
         if self._ahead is not None:
@@ -422,10 +425,16 @@ class LLMEngine:
         It is launched at once where the backend writes K/V through the pool's pointer (`launch_early`: the
         device then always has the next step queued); elsewhere only once this step is done, because MLX's own
         pool writes update it in place only once nothing else in flight still uses it (else each write would
-        copy the whole pool)."""
+        copy the whole pool).
+
+        Rows whose grammar masks their token take the mask (computed on the host) to the device; no step is
+        launched ahead of them, whose next mask depends on the token this step samples."""
         sampling = [item.seq for item in scheduled if item.samples]
+        pending = self.constraints.start_masks(sampling)  # computed while the pool is prepared
+        failed: dict[int, str] = {}
         start = None  # when this step was launched, for its model time
-        if self._ahead is not None and self._ahead.matches(scheduled) and not self.block_manager.has_pending_moves():
+        if (self._ahead is not None and pending is None and self._ahead.matches(scheduled)
+                and not self.block_manager.has_pending_moves()):
             tokens = self._ahead.tokens
             self._ahead = None
             self._stats.steps_launched_ahead += 1
@@ -433,12 +442,17 @@ class LLMEngine:
         else:
             self._drop_ahead()
             self._prepare_pool()
+            allowed = None
+            if pending is not None:
+                allowed, failed = self._allowed_tokens(sampling, pending)
+                self.profile.lap("sample")
             start = time.perf_counter()
-            tokens = self.runner.sampled_tokens(scheduled, self._sampling_rows(sampling), profile=self.profile)
+            tokens = self.runner.sampled_tokens(scheduled, self._sampling_rows(sampling, allowed=allowed),
+                                                profile=self.profile)
             self.backend.launch(tokens)
             self.profile.lap("eval")  # a backend computing on the host (MLX on the CPU) computes here
         ahead = None
-        if self.backend.computes_async and len(sampling) == len(scheduled) and all(
+        if self.backend.computes_async and pending is None and len(sampling) == len(scheduled) and all(
                 item.num_new_tokens == 1 and self._room_after_next(item.seq) for item in scheduled):
             ahead = self._build_ahead(sampling, tokens)
             if ahead is not None and self.backend.launch_early:
@@ -452,9 +466,20 @@ class LLMEngine:
             self.profile.lap("eval")
         self._ahead = ahead
         self._update(scheduled)
-        outputs = [self._output(seq, token, None, None) for seq, token in zip(sampling, sampled)]
+        outputs = [self._output(seq, token, None, failed.get(i)) for i, (seq, token) in enumerate(zip(sampling, sampled))]
         self.profile.end("output")
         return outputs
+
+    def _allowed_tokens(self, seqs: list[Sequence], pending: Any) -> tuple[np.ndarray, dict[int, str]]:
+        """The tokens each of seqs' rows may take as bits (SamplingRows.allowed: all of them where it has no grammar),
+        from the masks pending computes; and the rows that fail, with why: their mask failed or allows nothing."""
+        masks, failed = self.constraints.forbidden(pending, seqs)
+        allowed = np.ones((len(seqs), self.vocab_size), bool)
+        for row, mask in masks.items():
+            allowed[row] = ~mask
+            if not allowed[row].any():
+                failed[row] = "no token is allowed"
+        return np.packbits(allowed, axis=1, bitorder="little"), failed
 
     def _room_after_next(self, seq: Sequence) -> bool:
         """Whether seq, given the token now being sampled, may still take another."""
