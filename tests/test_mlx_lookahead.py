@@ -1,6 +1,6 @@
-"""The MLX backend's device steps: tokens taken (greedy) or drawn (sampled) on the device, the next decode launched
-before the host has the step's tokens (taken when the scheduler asks for exactly it, dropped otherwise), and the
-per-step profile."""
+"""The MLX backend's device steps: tokens taken (greedy) or drawn (sampled) on the device, after a request's bias,
+penalties and grammar mask, the next decode launched before the host has the step's tokens (taken when the
+scheduler asks for exactly it, dropped otherwise), and the per-step profile."""
 
 from __future__ import annotations
 
@@ -123,8 +123,7 @@ def test_grammars_mask_on_the_device(mlx_on_cpu, tiny_model, sampled, early, mon
 
 
 def test_a_mask_that_allows_nothing_fails_its_request_alone(mlx_on_cpu, tiny_model, monkeypatch) -> None:
-    """A grammar's mask with no token left (or one that could not be computed) fails that request with a message;
-    the batch's other requests run on."""
+    """A grammar's mask with no token left fails that request with a message; the batch's other requests run on."""
     import numpy as np
 
     engine = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)

@@ -466,7 +466,8 @@ class LLMEngine:
             self.profile.lap("eval")
         self._ahead = ahead
         self._update(scheduled)
-        outputs = [self._output(seq, token, None, failed.get(i)) for i, (seq, token) in enumerate(zip(sampling, sampled))]
+        outputs = [self._output(seq, token, None, failed.get(i))
+                   for i, (seq, token) in enumerate(zip(sampling, sampled))]
         self.profile.end("output")
         return outputs
 
