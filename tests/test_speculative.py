@@ -478,6 +478,16 @@ def test_the_speculative_benchmark_gives_each_task_the_same_answer_in_every_mode
         assert row["off_decode_tokens_per_s"] > 0 and row["ngram_over_off"] > 0
 
 
+def test_each_request_of_a_speculative_batch_copies_its_own_input():
+    """A batch's requests each get their own version of their task's text (or a table of earlier answers would
+    guess the repeats whole), and the first is the text as written (the one-stream figures' prompt)."""
+    from edgeserve.bench.workloads import SPECULATIVE_TASKS, task_variant
+
+    for text, _ in SPECULATIVE_TASKS.values():
+        assert task_variant(text, 0) == text
+        assert len({task_variant(text, i) for i in range(64)}) == 64
+
+
 def test_the_speculative_benchmark_queues_each_mix_and_answers_alike_in_every_mode(tiny_model):
     from edgeserve.bench.workloads import SPECULATIVE_MIXES, run_speculative_batch
 

@@ -5,6 +5,7 @@ The same seeded workloads drive the in-process engine and any OpenAI-compatible 
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -235,12 +236,46 @@ SPECULATIVE_TASKS: dict[str, tuple[str, dict]] = {
 }
 
 
-def speculative_request(engine: LLMEngine, task: str, max_tokens: int) -> tuple[list[int], SamplingParams]:
-    """A speculative task's chat prompt for engine, and its greedy sampling parameters."""
+# what request i of a batch changes in a task's text (names and identifiers taken in turn, years moved on by i), so
+# that no two requests copy the same input and an engine's table of earlier answers cannot guess a later one whole
+_VARIANT_WORDS = {
+    "Point Arden": ("Cape Sorrel", "Gull Rock", "Haven Point", "North Skerry", "Black Head", "Mill Cove", "Owl Island"),
+    "Hollis": ("Pryce", "Abbott", "Lindqvist", "Okafor", "Marsh"),
+    "Margaret": ("Edith", "Ruth", "Agnes"),
+    "orders": ("sales", "invoices", "payments", "tickets", "bookings", "receipts"),
+    "order": ("sale", "invoice", "payment", "ticket", "booking", "receipt"),
+    "amount": ("value", "price", "cost", "fee", "sum"),
+    "summarize": ("report", "tally", "digest", "overview", "collect", "review", "measure"),
+    "fox": ("owl", "otter", "badger", "heron", "hare", "wren", "mole"),
+    "paint": ("sing", "swim", "knit", "sail", "juggle"),
+    "short": ("brief", "funny", "sad", "strange", "quiet", "happy", "gentle", "tiny", "curious"),
+}
+_VARIANT_PATTERN = re.compile(r"\b(" + "|".join(_VARIANT_WORDS) + r"|1[89]\d\d)\b")
+
+
+def task_variant(text: str, i: int) -> str:
+    """Request i's version of a speculative task's text; i = 0: the text as written."""
+    if i == 0:
+        return text
+
+    def swap(match: re.Match) -> str:
+        word = match.group()
+        if word.isdigit():
+            return str(int(word) + i)
+        choices = _VARIANT_WORDS[word]
+        return choices[(i - 1) % len(choices)]
+
+    return _VARIANT_PATTERN.sub(swap, text)
+
+
+def speculative_request(engine: LLMEngine, task: str, max_tokens: int, variant: int = 0
+                        ) -> tuple[list[int], SamplingParams]:
+    """A speculative task's chat prompt for engine (its text's `variant`: see task_variant), and its greedy
+    sampling parameters."""
     from edgeserve.engine.prompts import Prompts
 
     content, extra = SPECULATIVE_TASKS[task]
-    ids = Prompts.for_engine(engine).chat([{"role": "user", "content": content}])
+    ids = Prompts.for_engine(engine).chat([{"role": "user", "content": task_variant(content, variant)}])
     return ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
 
 
@@ -290,7 +325,8 @@ SPECULATIVE_MIXES = {"mixed": list(SPECULATIVE_TASKS),
 def run_speculative_batch(make_engine: Callable[[str], LLMEngine], streams: int = 16, rounds: int = 4,
                           modes: tuple[str, ...] = ("off", "auto", "ngram"), max_tokens: int = 256,
                           repeats: int = 2) -> list[dict]:
-    """Each mix's greedy requests (its tasks in turn), rounds * streams of them queued at once on an engine running
+    """Each mix's greedy requests (its tasks in turn, each request its own variant of its task's text, as a server's
+    requests differ), rounds * streams of them queued at once on an engine running
     `streams` at a time (make_engine's), so that a request that finishes early makes room for the next as on a busy
     server, under each speculative mode ("off" first): output tokens per second over the whole run (the best of
     `repeats` runs, the modes taking turns: a machine whose speed drifts over a minute favours none), and its ratio
@@ -307,7 +343,8 @@ def run_speculative_batch(make_engine: Callable[[str], LLMEngine], streams: int 
                 engine = make_engine(mode)
                 start = time.perf_counter()
                 for i in range(rounds * streams):
-                    engine.add_request(*speculative_request(engine, tasks[i % len(tasks)], max_tokens), str(i))
+                    engine.add_request(*speculative_request(engine, tasks[i % len(tasks)], max_tokens, variant=i),
+                                       str(i))
                 done = engine.run_to_completion()
                 wall = time.perf_counter() - start
                 tokens = sum(len(c.token_ids) for c in done.values())
