@@ -20,7 +20,7 @@ from edgeserve.engine.prompts import Prompts
 from edgeserve.engine.sampler import check_guess
 from edgeserve.engine.scheduler import ScheduledSeq
 from edgeserve.engine.sequence import Sequence
-from edgeserve.engine.speculative import (DECAY, EXPLORE_DRAFT, EXPLORE_EVERY, JUDGE_EVERY, JUDGE_EVERY_PAYS, JUDGE_MIN,
+from edgeserve.engine.speculative import (DECAY, EXPLORE_DRAFT, EXPLORE_EVERY, JUDGE_EVERY, JUDGE_EVERY_KNOWN, JUDGE_MIN,
                                           MIN_SAMPLES, PromptLookup, SharedLookup, Speculator, StepCost,
                                           best_draft)
 from edgeserve.errors import EdgeserveError
@@ -269,9 +269,9 @@ def test_auto_tries_a_short_draft_now_and_then():
 
 def test_auto_stops_drafting_in_batches_where_steps_with_drafts_gave_fewer_tokens_a_second():
     """The judge compares whole steps at each batch size: where steps with drafts gave fewer tokens a second than
-    steps without, "auto" drafts in one step of JUDGE_EVERY only, however much its estimates promise; where they gave
-    more, it drafts in all but one of JUDGE_EVERY_PAYS; before both are measured, one step in JUDGE_EVERY goes
-    without drafts so that they are."""
+    steps without, "auto" drafts in one step of JUDGE_EVERY_KNOWN only, however much its estimates promise; where
+    they gave more, it drafts in all but one of JUDGE_EVERY_KNOWN; before both are measured, one step in JUDGE_EVERY
+    goes without drafts so that they are."""
     spec = Speculator("auto", cost=trained_cost(lambda rows: 10 + 0.01 * rows))  # rows look free
     seq = Sequence("s", list(REPEATS), SamplingParams())
     history(seq, spec, 8, 8)
@@ -294,14 +294,14 @@ def test_auto_stops_drafting_in_batches_where_steps_with_drafts_gave_fewer_token
     assert spec.judge.pays(16) is None  # two steps without drafts: not yet enough to judge
     steps(16, JUDGE_EVERY * JUDGE_MIN, seconds_with=2.0)
     assert spec.judge.pays(16) is False
-    losing = steps(16, 4 * JUDGE_EVERY, seconds_with=2.0)
+    losing = steps(16, 4 * JUDGE_EVERY_KNOWN, seconds_with=2.0)
     assert sum(losing) == 4 and all(losing[i] for i in range(len(losing)) if (len(unknown) + JUDGE_EVERY * JUDGE_MIN + i)
-                                    % JUDGE_EVERY == JUDGE_EVERY - 1)
+                                    % JUDGE_EVERY_KNOWN == JUDGE_EVERY_KNOWN - 1)
     assert spec.judge.pays(2) is None and spec.propose(seq, 8, rows=2, decodes=2)  # another batch size: its own verdict
     steps(2, 4 * JUDGE_EVERY * JUDGE_MIN, seconds_with=1.05)  # 2 + 8 tokens in 1.05 s against 2 in 1 s
     assert spec.judge.pays(2) is True
-    paying = steps(2, 2 * JUDGE_EVERY_PAYS, seconds_with=1.05)
-    assert sum(paying) == 2 * JUDGE_EVERY_PAYS - 2
+    paying = steps(2, 2 * JUDGE_EVERY_KNOWN, seconds_with=1.05)
+    assert sum(paying) == 2 * JUDGE_EVERY_KNOWN - 2
     ngram = Speculator("ngram")
     ngram.judge = spec.judge  # prompt lookup as asked drafts whatever the judge says
     assert ngram.propose(seq, 8, rows=16, decodes=16) == list(range(3, 11))

@@ -57,8 +57,10 @@ MARGIN = 0.05  # more tokens a second a draft must promise than none: a check's 
 PENDING = -1  # a place in a draft the draft model fills once the step is scheduled (Speculator.propose)
 JUDGE_WINDOW = 256  # recent decode steps of each batch size the judge compares
 JUDGE_MIN = 6  # steps with drafts, and without, before the judge trusts their comparison
-JUDGE_EVERY = 8  # a step in so many goes the other way, where drafting does not pay or the judge does not know yet
-JUDGE_EVERY_PAYS = 32  # and where it pays (a step without drafts costs what they gain)
+JUDGE_EVERY = 8  # a step in so many goes without drafts while the judge does not know yet whether they pay
+# and, once it knows, a step in so many goes against its verdict: one with drafts where they lose costs what they lose
+# (one in 8 cost 16 streams of the default model 3-5% against one in 32), one without where they pay what they gain
+JUDGE_EVERY_KNOWN = 32
 JUDGE_MARGIN = 0.03  # more tokens a second steps with drafts must give to be judged to pay: the default is not to draft
 
 
@@ -260,8 +262,8 @@ class DraftJudge:
     checking too). The step-time estimates that size each draft are read off a line through noisy medians: at 16
     streams of the default model on a 2-core CPU a step is compute-bound (~1.3 ms a row) and a checked guess returns
     less than a token, but a line tilted flat by the machine's swings priced extra rows as nearly free, and "auto"
-    drafted in 95% of the steps, 10% slower than without. So one step in JUDGE_EVERY goes against the verdict (or,
-    while there is none, without drafts), keeping both sides measured at the same time."""
+    drafted in 95% of the steps, 10% slower than without. So one step in JUDGE_EVERY_KNOWN goes against the verdict
+    (and, while there is none, one in JUDGE_EVERY without drafts), keeping both sides measured at the same time."""
 
     def __init__(self) -> None:
         self._steps: dict[int, deque[tuple[bool, float]]] = {}  # by decoding sequences: (with drafts, tokens a second)
@@ -286,7 +288,7 @@ class DraftJudge:
         """Whether this step may draft (the same answer for every sequence of a step)."""
         if decodes not in self._allowed:
             verdict = self.pays(decodes)
-            every = JUDGE_EVERY_PAYS if verdict else JUDGE_EVERY
+            every = JUDGE_EVERY if verdict is None else JUDGE_EVERY_KNOWN
             against = self._counts.get(decodes, 0) % every == every - 1
             self._allowed[decodes] = (verdict is not False) != against
         return self._allowed[decodes]
