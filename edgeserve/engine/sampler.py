@@ -10,6 +10,7 @@ import numpy as np
 from edgeserve.backends import cpu_kernels
 from edgeserve.batch import Penalties
 from edgeserve.engine.sequence import Sequence
+from edgeserve.sampling_params import SamplingParams
 
 # Far beyond any real logit, and still finite once divided by the smallest sampled temperature.
 LOGIT_LIMIT = 1e30
@@ -24,10 +25,9 @@ def apply_penalties(logits: np.ndarray, seq: Sequence) -> np.ndarray:
     if p.logit_bias:
         ids = np.fromiter(p.logit_bias, dtype=np.int64)
         logits[ids] += np.fromiter(p.logit_bias.values(), dtype=np.float64)
-    if p.repetition_penalty != 1.0 and p.repeat_last_n != 0:
-        window = seq.token_ids if p.repeat_last_n < 0 else seq.token_ids[-p.repeat_last_n:]
+    if _penalizes_repeats(p):
         # sets, not np.unique: faster on a few dozen ids, and its first call imports numpy.ma (~10 ms of a start)
-        seen = np.fromiter(set(window), dtype=np.int64)
+        seen = np.fromiter(_repeat_window(seq), dtype=np.int64)
         vals = logits[seen]
         logits[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens:
@@ -45,10 +45,9 @@ def penalty_rows(seqs: list[Sequence], ahead: bool = False) -> Penalties:
     for seq in seqs:
         p = seq.params
         bias.append(p.logit_bias)
-        on = p.repetition_penalty != 1.0 and p.repeat_last_n != 0
+        on = _penalizes_repeats(p)
         repetition.append(p.repetition_penalty if on else 1.0)  # 1 also where the device's own token is its window
-        n = p.repeat_last_n - ahead  # the tokens of the window the host has
-        window.append(set(seq.token_ids if p.repeat_last_n < 0 else seq.token_ids[-n:]) if on and n else ())
+        window.append(_repeat_window(seq, ahead) if on else set())
         output.append(Counter(seq.output_ids) if p.frequency_penalty or p.presence_penalty else {})
     return Penalties(
         bias_ids=_padded([list(b) for b in bias], np.int32, -1), bias=_padded([list(b.values()) for b in bias]),
@@ -58,6 +57,19 @@ def penalty_rows(seqs: list[Sequence], ahead: bool = False) -> Penalties:
         output_counts=_padded([list(c.values()) for c in output]),
         frequency=np.array([seq.params.frequency_penalty for seq in seqs], np.float32),
         presence=np.array([seq.params.presence_penalty for seq in seqs], np.float32))
+
+
+def _penalizes_repeats(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 and p.repeat_last_n != 0
+
+
+def _repeat_window(seq: Sequence, ahead: bool = False) -> set[int]:
+    """The distinct tokens the repetition penalty looks at: seq's last repeat_last_n (all of them where it is -1);
+    ahead: less the latest, which only the device has."""
+    n = seq.params.repeat_last_n
+    if n < 0:
+        return set(seq.token_ids)
+    return set(seq.token_ids[-(n - ahead):]) if n - ahead > 0 else set()
 
 
 def _padded(rows: list[list], dtype: type = np.float32, fill: float = 0) -> np.ndarray:
@@ -174,8 +186,7 @@ def keep_top_p(probs: np.ndarray, top_p: float) -> None:
 def penalizes(seq: Sequence) -> bool:
     """Whether seq's logits take a bias or a penalty before sampling."""
     p = seq.params
-    penalizes_repeats = p.repetition_penalty != 1.0 and p.repeat_last_n != 0
-    return penalizes_repeats or bool(p.frequency_penalty) or bool(p.presence_penalty) or bool(p.logit_bias)
+    return _penalizes_repeats(p) or bool(p.frequency_penalty) or bool(p.presence_penalty) or bool(p.logit_bias)
 
 
 def needs_processing(seq: Sequence) -> bool:
