@@ -15,6 +15,7 @@ import threading
 import time
 
 import httpx
+import psutil
 
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
 
@@ -77,6 +78,11 @@ class ServeProcess:
         self._log.flush()
         self._log.seek(0)
         return self._log.read()
+
+    def cpu_seconds(self) -> float:
+        """CPU time the server has used so far (all its threads): work done, whatever else the machine runs."""
+        times = psutil.Process(self.proc.pid).cpu_times()
+        return times.user + times.system
 
     def signal(self, sig: signal.Signals) -> None:
         self.proc.send_signal(sig)
