@@ -465,6 +465,13 @@ static AVX2_OPS void kv_head_floats_avx2(const char *src, int kv_type, int hd, f
     }
 }
 
+/* kv_head_store for a float16 head, hd a multiple of 8, by F16C: the same bits (round to nearest even), where
+   the portable C's conversion is a libgcc call per value (gcc without F16C): 5% of a 16-stream step's time. */
+static AVX2_OPS void kv_head_store_f16c(char *dst, const float *x, int hd) {
+    for (int j = 0; j < hd; j += 8)
+        _mm_storeu_si128((__m128i *)(dst + 2 * j), _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+}
+
 /* The next tile's rows, fetched while this one computes (the pool is read from DRAM: a step's K/V
    outgrow the caches, and the weights stream through them). */
 INLINE void prefetch_rows(const AttTask *t, const size_t *next, int r0, int r1) {
@@ -1126,6 +1133,15 @@ int qm_attention(const float *q, Py_ssize_t q_row, const void *k, const void *v,
 void qm_write_kv(void *cache, int kv_type, const float *values, Py_ssize_t values_row, const int64_t *slots, int rows,
                  int n_kv, int hd) {
     const size_t head = qm_kv_head_bytes(kv_type, hd);
+#ifdef QM_X86
+    if (kv_type == QM_KV_F16 && hd % 8 == 0 && qm_isa_level() >= 1) {
+        for (int i = 0; i < rows; i++)
+            for (int h = 0; h < n_kv; h++)
+                kv_head_store_f16c((char *)cache + ((size_t)slots[i] * n_kv + h) * head,
+                                   values + (size_t)i * values_row + (size_t)h * hd, hd);
+        return;
+    }
+#endif
     for (int i = 0; i < rows; i++)
         for (int h = 0; h < n_kv; h++)
             kv_head_store((char *)cache + ((size_t)slots[i] * n_kv + h) * head, kv_type,
