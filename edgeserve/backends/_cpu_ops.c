@@ -920,7 +920,7 @@ static int run_attention(AttTask *t, const int64_t *lens, int D) {
     /* A one-row prompt's KV heads go in spans (att_rows_avx512): as wide as leaves each thread two items and
        keeps a span's tile of K and V within 256 KiB (L2), a divisor of n_kv. Narrower spans read a part of each
        key's heads, strided: four items a thread gave one 1B decode row of 700 keys spans of 2 heads of 8, whose
-       attention ran 2-3x slower than in spans of 4 (16 layers: 3.0-4.7 -> 1.5-1.7 ms). */
+       attention ran ~1.7x slower than in spans of 4 (16 layers: 2.6-3.0 -> 1.6-1.8 ms). */
     int span = t->subs == 1 ? (t->n_kv < ATT_BLOCK ? t->n_kv : ATT_BLOCK) : 1;
     for (; span > 1; span--)
         if (t->n_kv % span == 0 && row_ranges * (size_t)(t->n_kv / span) >= 2 * (size_t)qm_threads() &&
