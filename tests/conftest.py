@@ -20,6 +20,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# Under pytest-xdist with a worker a core, each worker (and the servers and commands it starts) keeps to its own
+# core: the kernels size their thread pools by the cores a process may run on, and two workers each running
+# a pool on every core make them wait on one another (a test took 3x its time alone, not 2x).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+if _WORKER.startswith("gw") and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) == len(_CORES) > 1:
+    os.sched_setaffinity(0, {_CORES[int(_WORKER[2:]) % len(_CORES)]})
+
 # The suite holds the quantized kernels to the exact int16 path's tolerances (subprocesses inherit
 # this); the int8 default has its own tests against its own rounding (test_qmatmul_int8.py).
 os.environ["EDGESERVE_ACTIVATIONS"] = "int16"
