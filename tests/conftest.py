@@ -9,6 +9,7 @@ Tests that use the real model (the model_path and loaded_model fixtures) are mar
 another real model, build a wheel or drive tmux mark themselves.
 """
 
+import contextlib
 import io
 import json
 import os
@@ -23,10 +24,13 @@ import pytest
 # Under pytest-xdist with a worker a core, each worker (and the servers and commands it starts) keeps to its own
 # core: the kernels size their thread pools by the cores a process may run on, and two workers each running
 # a pool on every core make them wait on one another (a test took 3x its time alone, not 2x).
+# The thread pool's own tests take every core back (the every_core fixture).
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 _CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+_OWN_CORE = None
 if _WORKER.startswith("gw") and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) == len(_CORES) > 1:
-    os.sched_setaffinity(0, {_CORES[int(_WORKER[2:]) % len(_CORES)]})
+    _OWN_CORE = {_CORES[int(_WORKER[2:]) % len(_CORES)]}
+    os.sched_setaffinity(0, _OWN_CORE)
 
 # The suite holds the quantized kernels to the exact int16 path's tolerances (subprocesses inherit
 # this); the int8 default has its own tests against its own rounding (test_qmatmul_int8.py).
@@ -74,6 +78,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         callspec = getattr(item, "callspec", None)
         if callspec is not None and "numba" in callspec.id.split("-"):
             item.add_marker(pytest.mark.slow)
+
+
+def _every_thread_on(cores: set[int] | list[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cores)
+
+
+@pytest.fixture
+def every_core():
+    """The test's process on every core, its threads started before included, where the worker keeps to one: the
+    kernels' thread pool then runs on several cores for real."""
+    if _OWN_CORE is None:
+        yield
+        return
+    _every_thread_on(_CORES)
+    try:
+        yield
+    finally:
+        _every_thread_on(_OWN_CORE)
+        qm.set_num_threads()  # the kernels' default again: the worker's one core
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -34,7 +34,7 @@ def isa(request):
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "pool"])
-def threads(request):
+def threads(request, every_core):
     """One thread, and two: with one sequence the pool splits each KV head's keys into ranges."""
     yield qmatmul.set_num_threads(request.param)
     qmatmul.set_num_threads()

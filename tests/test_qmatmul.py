@@ -226,7 +226,7 @@ def test_symmetric_groups_keep_no_biases(qtype, center):
 
 
 @pytest.mark.skipif(qm._ext is None, reason="C extension not built")
-def test_threads_and_out_argument():
+def test_threads_and_out_argument(every_core):
     rng = np.random.default_rng(2)
     t = _tensor(rng, 300, 256, 4, 64, "f16")
     m = qm.prepare([t])
