@@ -307,6 +307,50 @@ def test_auto_stops_drafting_in_batches_where_steps_with_drafts_gave_fewer_token
     assert ngram.propose(seq, 8, rows=16, decodes=16) == list(range(3, 11))
 
 
+def test_a_check_against_a_no_that_gains_is_followed_by_another():
+    """An answer's opening, before it copies its input, teaches the judge that drafts lose; once the text repeats, the
+    one check in JUDGE_EVERY_KNOWN that goes against that verdict gains, and so the next step drafts too, and the next,
+    until one loses."""
+    judge = Speculator("auto").judge
+    for _ in range(JUDGE_MIN):
+        judge.record(1, False, 1, 1.0)
+        judge.record(1, True, 1, 1.2)  # a guess missed: a slower step, no more tokens
+    assert judge.pays(1) is False
+    vetoed = 0
+    while not judge.allows(1):
+        judge.record(1, False, 1, 1.0)
+        vetoed += 1
+    assert 0 < vetoed < JUDGE_EVERY_KNOWN
+    judge.record(1, True, 5, 1.1)  # the check gains: four guesses right
+    assert judge.pays(1) is False and judge.allows(1)
+    judge.record(1, True, 9, 1.1)
+    assert judge.allows(1)  # and so on while the checks gain
+    judge.record(1, True, 1, 1.1)  # this one lost
+    assert not judge.allows(1)
+
+
+def test_a_step_of_tries_alone_is_not_judged():
+    """A try (a short draft "auto" makes to learn what rows cost, before it can estimate) says nothing of whether the
+    drafts it chooses pay: a step whose only drafts are tries is left out of the judge's comparison, where the misses
+    of an answer's opening used to turn it against drafting for the copied rest."""
+    spec = Speculator("auto")  # no step timed yet: no estimate, so a draft is a try every other step
+    seq = Sequence("s", list(REPEATS), SamplingParams())
+
+    def step() -> list[int]:
+        draft = spec.propose(seq, 8, rows=1, decodes=1)
+        seconds = 0.02 if draft else 0.01  # each try misses: a slower step, no more tokens
+        spec.observe(1 + len(draft), seconds)
+        item = ScheduledSeq(seq, 1 + len(draft), draft=draft)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        spec.step_done([item], 1, seconds)
+        return draft
+
+    drafts = [step() for _ in range(2 * JUDGE_MIN + 4)]
+    assert [len(d) for d in drafts[:4]] == [0, 0, EXPLORE_DRAFT, 0]  # a try once two steps went by, and so on
+    assert sum(map(bool, drafts)) > JUDGE_MIN
+    assert spec.judge.pays(1) is None  # as many steps with drafts as it takes to judge, but all of them tries
+
+
 def test_which_requests_speculate():
     spec = Speculator("off")
     assert spec.mode_for(Sequence("a", [1], SamplingParams())) == "off"

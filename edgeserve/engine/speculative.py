@@ -263,26 +263,44 @@ class DraftJudge:
     streams of the default model on a 2-core CPU a step is compute-bound (~1.3 ms a row) and a checked guess returns
     less than a token, but a line tilted flat by the machine's swings priced extra rows as nearly free, and "auto"
     drafted in 95% of the steps, 10% slower than without. So one step in JUDGE_EVERY_KNOWN goes against the verdict
-    (and, while there is none, one in JUDGE_EVERY without drafts), keeping both sides measured at the same time."""
+    (and, while there is none, one in JUDGE_EVERY without drafts), keeping both sides measured at the same time.
+
+    A "no" formed while guesses missed (an answer's opening, before it starts copying its input) stood for
+    JUDGE_EVERY_KNOWN steps at a time while the text turned to repeating: one stream of the default model rewriting a
+    code file went without drafts in 61 of its 85 steps, 30-40% slower than prompt lookup drafting at every step. So
+    a step that drafted against a "no" and gave more tokens a second than the steps without drafts is followed by
+    another with drafts, and so on while they gain, until the verdict turns; and a step whose only drafts are tries
+    (Speculator._length's, made to time rows) is not judged at all (the same file: 48-54 steps, as fast as prompt
+    lookup)."""
 
     def __init__(self) -> None:
         self._steps: dict[int, deque[tuple[bool, float]]] = {}  # by decoding sequences: (with drafts, tokens a second)
         self._counts: dict[int, int] = {}  # steps recorded at each batch size
         self._allowed: dict[int, bool] = {}  # allows() since the last step, by batch size: every sequence asks
+        self._again: dict[int, bool] = {}  # batch sizes whose last step drafted against a "no" and gained
 
     def record(self, decodes: int, drafted: bool, tokens: int, seconds: float) -> None:
-        self._steps.setdefault(decodes, deque(maxlen=JUDGE_WINDOW)).append((drafted, tokens / max(seconds, 1e-9)))
+        rate = tokens / max(seconds, 1e-9)
+        without, _ = self._rates(decodes)
+        self._again[decodes] = (drafted and self.pays(decodes) is False
+                                and rate > (1 + JUDGE_MARGIN) * statistics.median(without))
+        self._steps.setdefault(decodes, deque(maxlen=JUDGE_WINDOW)).append((drafted, rate))
         self._counts[decodes] = self._counts.get(decodes, 0) + 1
         self._allowed = {}
 
-    def pays(self, decodes: int) -> bool | None:
-        """Whether steps with drafts gave more tokens a second than steps without; None until both are measured."""
+    def _rates(self, decodes: int) -> tuple[list[float], list[float]]:
+        """The recent tokens a second of steps of `decodes` sequences without drafts, and with."""
         rates: tuple[list[float], list[float]] = ([], [])
         for drafted, rate in self._steps.get(decodes, ()):
             rates[drafted].append(rate)
-        if min(len(rates[0]), len(rates[1])) < JUDGE_MIN:
+        return rates
+
+    def pays(self, decodes: int) -> bool | None:
+        """Whether steps with drafts gave more tokens a second than steps without; None until both are measured."""
+        without, with_drafts = self._rates(decodes)
+        if min(len(without), len(with_drafts)) < JUDGE_MIN:
             return None
-        return statistics.median(rates[1]) > (1 + JUDGE_MARGIN) * statistics.median(rates[0])
+        return statistics.median(with_drafts) > (1 + JUDGE_MARGIN) * statistics.median(without)
 
     def allows(self, decodes: int) -> bool:
         """Whether this step may draft (the same answer for every sequence of a step)."""
@@ -290,7 +308,7 @@ class DraftJudge:
             verdict = self.pays(decodes)
             every = JUDGE_EVERY if verdict is None else JUDGE_EVERY_KNOWN
             against = self._counts.get(decodes, 0) % every == every - 1
-            self._allowed[decodes] = (verdict is not False) != against
+            self._allowed[decodes] = (verdict is not False) != against or self._again.get(decodes, False)
         return self._allowed[decodes]
 
 
@@ -311,6 +329,9 @@ class Speculator:
         self._since_try = {"ngram": 0, "model": 0}  # steps since "auto" last tried each drafter's advised-against draft
         self.judge = DraftJudge()
         self.shared = SharedLookup()
+        # the sequences whose draft in the step being scheduled is a try (see _length): it learns what rows cost,
+        # and says nothing of whether the drafts "auto" chooses pay, which the judge weighs
+        self._trying: set[Sequence] = set()
 
     def mode_for(self, seq: Sequence) -> str:
         """The request's own mode where it gave one, else the engine's."""
@@ -339,9 +360,10 @@ class Speculator:
         lookup = self._length("ngram", seq.draft_state, len(draft), rows, decodes, 0.0) if draft else (0, 0.0)
         model = (0, 0.0) if self.drafter is None else self._length(
             "model", seq.model_draft_state, most, rows, decodes, self.drafter.seconds_per_guess, fade=False)
-        if model[0] and (not lookup[0] or model[1] > lookup[1]):
-            return self._model_draft(seq, model[0])
-        return draft[: lookup[0]]
+        chosen = model if model[0] and (not lookup[0] or model[1] > lookup[1]) else lookup
+        if chosen[1] < 0:
+            self._trying.add(seq)
+        return self._model_draft(seq, model[0]) if chosen is model else draft[: lookup[0]]
 
     def finished(self, seq: Sequence) -> None:
         """Keep a finished sequence's answer for other requests' guesses, if it speculated."""
@@ -409,7 +431,10 @@ class Speculator:
         """Tell the judge how a step went: its tokens and whole time, if every item in it decoded (a prefill chunk's
         time says nothing of drafting)."""
         if scheduled and all(item.samples and item.num_new_tokens == 1 + len(item.draft) for item in scheduled):
-            self.judge.record(len(scheduled), any(item.draft for item in scheduled), tokens, seconds)
+            drafts = [item.seq in self._trying for item in scheduled if item.draft]
+            if not drafts or not all(drafts):  # a step of tries alone is neither
+                self.judge.record(len(scheduled), bool(drafts), tokens, seconds)
+        self._trying.clear()
 
     def record(self, seq: Sequence, drafted: int, accepted: int, by_model: bool = False) -> None:
         """Count a checked draft (by_model: the draft model's): accepted guesses are hits, the first rejected one
