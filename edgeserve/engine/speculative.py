@@ -360,10 +360,10 @@ class Speculator:
         lookup = self._length("ngram", seq.draft_state, len(draft), rows, decodes, 0.0) if draft else (0, 0.0)
         model = (0, 0.0) if self.drafter is None else self._length(
             "model", seq.model_draft_state, most, rows, decodes, self.drafter.seconds_per_guess, fade=False)
-        chosen = model if model[0] and (not lookup[0] or model[1] > lookup[1]) else lookup
-        if chosen[1] < 0:
+        use_model = bool(model[0]) and (not lookup[0] or model[1] > lookup[1])
+        if (model if use_model else lookup)[1] < 0:
             self._trying.add(seq)
-        return self._model_draft(seq, model[0]) if chosen is model else draft[: lookup[0]]
+        return self._model_draft(seq, model[0]) if use_model else draft[: lookup[0]]
 
     def finished(self, seq: Sequence) -> None:
         """Keep a finished sequence's answer for other requests' guesses, if it speculated."""
