@@ -281,9 +281,7 @@ class DraftJudge:
 
     def record(self, decodes: int, drafted: bool, tokens: int, seconds: float) -> None:
         rate = tokens / max(seconds, 1e-9)
-        without, _ = self._rates(decodes)
-        self._again[decodes] = (drafted and self.pays(decodes) is False
-                                and rate > (1 + JUDGE_MARGIN) * statistics.median(without))
+        self._again[decodes] = drafted and self._gains_against_no(decodes, rate)
         self._steps.setdefault(decodes, deque(maxlen=JUDGE_WINDOW)).append((drafted, rate))
         self._counts[decodes] = self._counts.get(decodes, 0) + 1
         self._allowed = {}
@@ -295,12 +293,21 @@ class DraftJudge:
             rates[drafted].append(rate)
         return rates
 
-    def pays(self, decodes: int) -> bool | None:
-        """Whether steps with drafts gave more tokens a second than steps without; None until both are measured."""
-        without, with_drafts = self._rates(decodes)
+    @staticmethod
+    def _verdict(without: list[float], with_drafts: list[float]) -> bool | None:
         if min(len(without), len(with_drafts)) < JUDGE_MIN:
             return None
         return statistics.median(with_drafts) > (1 + JUDGE_MARGIN) * statistics.median(without)
+
+    def pays(self, decodes: int) -> bool | None:
+        """Whether steps with drafts gave more tokens a second than steps without; None until both are measured."""
+        return self._verdict(*self._rates(decodes))
+
+    def _gains_against_no(self, decodes: int, rate: float) -> bool:
+        """Whether a step with drafts that gave `rate` tokens a second beat the steps without, where the verdict is
+        "no" (read from the recent steps once: a drafted step asks, every step of every mode records)."""
+        without, with_drafts = self._rates(decodes)
+        return self._verdict(without, with_drafts) is False and rate > (1 + JUDGE_MARGIN) * statistics.median(without)
 
     def allows(self, decodes: int) -> bool:
         """Whether this step may draft (the same answer for every sequence of a step)."""
