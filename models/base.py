@@ -192,3 +192,8 @@ class Model(Protocol):
         final hidden states, normed, as embeddings pool them). A pipeline stage (built with `layers`) takes the
         previous stage's residual stream as h, and returns its own where it is not the last."""
         ...
+
+    def greedy_decode(self, batch: Batch, kv: KVPool) -> Array | None:
+        """Each row's likeliest next token where every row is a sequence's one decode token and the backend runs
+        such a step as one call; None: take forward, and sample its logits."""
+        ...

@@ -166,6 +166,9 @@ class Llama:
         # blocks compute something else runs its own code, block by block.
         fusable = self.has_plain_blocks()
         self.fused_blocks = be.fuse_blocks(self.layers, args.rms_norm_eps, self.ropes) if fusable else None
+        # and where it holds the whole model, a greedy decode step as one call
+        self.greedy = (be.greedy_decoder(self.fused_blocks, self.embed_tokens, self.final_logits)
+                       if self.fused_blocks is not None and first and last else None)
 
     def has_plain_blocks(self) -> bool:
         """Whether every block is computed by this file's code from its parts' descriptions, which is
@@ -214,6 +217,15 @@ class Llama:
         """Logits of final hidden states (normed) [T, hidden]."""
         return self.backend.lm_head(h, self.lm_head)
 
+    def final_logits(self, h: Array) -> Array:
+        """Logits of the last block's residual stream [T, hidden], after the final norm."""
+        return self.logits(self.backend.rms_norm(h, self.norm, self.args.rms_norm_eps))
+
+    def greedy_decode(self, batch: Batch, kv: KVPool) -> Array | None:
+        """Each row's likeliest next token, where the backend runs this step (decode rows only) as one call; None:
+        take forward and sample."""
+        return None if self.greedy is None else self.greedy(batch, kv)
+
     def forward(self, batch: Batch, kv: KVPool, hidden: bool = False, h: Array | None = None) -> Array:
         """Run one step; return logits of the rows in batch.logits_indices (hidden: their normed final states).
         A pipeline stage after the first takes the residual stream [T, hidden] from the one before as h; one
@@ -230,5 +242,5 @@ class Llama:
                 h = self.block(layer, i, h, kv, metas[layer.attention.rope])
         if self.norm is None:
             return h
-        h = be.rms_norm(be.take_rows(h, meta.logits_indices), self.norm, self.args.rms_norm_eps)
-        return h if hidden else self.logits(h)
+        h = be.take_rows(h, meta.logits_indices)
+        return be.rms_norm(h, self.norm, self.args.rms_norm_eps) if hidden else self.final_logits(h)

@@ -6,9 +6,11 @@ and int8 pools giving the NumPy backend's answers on the tiny model."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -202,27 +204,47 @@ def test_one_compiled_call_for_every_layer_gives_the_layer_by_layer_step(tmp_pat
         assert not np.array_equal(got_pools[0], pools[0].astype(np.float32))  # the step wrote its rows
 
 
+def counted(f: Callable, calls: list) -> Callable:
+    """f, noting in calls each call that gives something."""
+    def call(*args: Any) -> Any:
+        out = f(*args)
+        if out is not None:
+            calls.append(1)
+        return out
+    return call
+
+
 def test_a_decode_step_in_one_compiled_call_matches_layer_by_layer(tiny_model):
-    """Where attention is the reference's ops (MLX on the CPU), a decode step's layers are one compiled call that
-    writes K/V with MLX's scatter: the same tokens as the layers one by one, and the pools it gives back in use."""
+    """Where attention is the reference's ops (MLX on the CPU), a greedy decode step is one compiled call from the
+    embedding to each row's likeliest token, and a decode step that samples is one compiled call for its layers;
+    both write K/V with MLX's scatter: the same tokens as the layers one by one, and the pools they give back in
+    use."""
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]  # block tables of 1 to 4 blocks, padded alike
 
-    def run(one_call: bool) -> tuple[dict[str, list[int]], int]:
+    def run(whole_step: bool, layers_in_one_call: bool) -> tuple[dict[str, list[int]], int, int]:
         engine = LLMEngine(tiny_model, backend="mlx", kv_memory="16MiB")
-        blocks = engine.runner.model.fused_blocks
-        assert blocks.reference_stack is not None
-        if not one_call:
+        model = engine.runner.model
+        blocks = model.fused_blocks
+        assert blocks.reference_stack is not None and model.greedy is not None
+        if not whole_step:
+            model.greedy = None
+        if not layers_in_one_call:
             blocks.reference_stack = None
-        calls = []
-        decode_in_one_call = blocks._decode_in_one_call
-        blocks._decode_in_one_call = lambda *a: calls.append(1) or decode_in_one_call(*a)
+        steps, calls = [], []
+        blocks._decode_in_one_call = counted(blocks._decode_in_one_call, calls)
+        if whole_step:
+            model.greedy = counted(model.greedy, steps)
         pool = engine.runner.kv.k[0]
         ids = [engine.add_request(p, params) for p in prompts]
         done = engine.run_to_completion()
-        if one_call:  # the K/V the steps wrote are in the pool's first layer, as the engine holds it
+        if whole_step or layers_in_one_call:  # the K/V the steps wrote are in the pool's first layer, as the engine
+            # holds it
             assert engine.runner.kv.k[0] is not pool and np.abs(np.array(engine.runner.kv.k[0])).max() > 0
-        return {i: done[i].token_ids for i in ids}, len(calls)
+        return {i: done[i].token_ids for i in ids}, len(steps), len(calls)
 
-    (fused, calls), (plain, no_calls) = run(True), run(False)
-    assert fused == plain and calls >= 20 and no_calls == 0
+    whole, steps, _ = run(True, True)
+    fused, no_steps, calls = run(False, True)
+    plain, _, no_calls = run(False, False)
+    assert whole == fused == plain
+    assert steps >= 20 and no_steps == 0 and calls >= 20 and no_calls == 0

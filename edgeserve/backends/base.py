@@ -84,6 +84,13 @@ class Backend(Protocol):
         None: the model runs its blocks one op at a time."""
         ...
 
+    def greedy_decoder(self, blocks: Any, embed: Callable[[Array], Array], head: Callable[[Array], Array]
+                       ) -> Callable[[Batch, Any], Array | None] | None:
+        """A whole decode step of fused blocks (`fuse_blocks`) between a model's embedding (ids -> residual stream)
+        and its head (last residual stream -> logits), giving each row's likeliest token as one call where the
+        backend has one: (batch, kv_pool) -> tokens, or None for a step it does not take. None: none."""
+        ...
+
     # one step: a ragged batch of decode tokens and prefill chunks -----------------------------
 
     def batch_meta(self, batch: Batch, rope: RopeTables) -> StepMeta:

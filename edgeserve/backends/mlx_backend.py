@@ -10,6 +10,7 @@ written, to the bits of the NumPy backend's).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +182,10 @@ class MLXBackend:
             for layer in layers)
         self._kv_writes.add("in place" if in_place else "scatter")
         return CompiledBlocks(self, layers, eps, ropes, in_place)
+
+    def greedy_decoder(self, blocks: CompiledBlocks, embed: Callable[[mx.array], mx.array],
+                       head: Callable[[mx.array], mx.array]) -> Callable[[Batch, Any], mx.array | None] | None:
+        return blocks.greedy_decoder(embed, head)
 
     @property
     def launch_early(self) -> bool:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+import numpy as np
 
 from edgeserve.metal.kernels import KernelMeta, kernel_paged_attention, padded_width, write_in_place
 from edgeserve.metal.reference import MASKED, decode_attention
@@ -29,6 +30,7 @@ from edgeserve.metal.reference import MASKED, decode_attention
 if TYPE_CHECKING:
     from edgeserve.backends.kv_pool import KVPool
     from edgeserve.backends.mlx_backend import MLXBackend, MLXMeta
+    from edgeserve.batch import Batch
 
 MAX_COMPILED_ROWS = 64
 
@@ -64,6 +66,45 @@ class CompiledBlocks:
         self.reference_stack = None
         if backend.attention.name == "mlx-reference" and all(layer.attention.window is None for layer in layers):
             self.reference_stack = mx.compile(self._reference_stack)
+        self._greedy_step: Callable[..., tuple[mx.array, ...]] | None = None
+
+    def greedy_decoder(self, embed: Callable[[mx.array], mx.array], head: Callable[[mx.array], mx.array]
+                       ) -> Callable[[Batch, KVPool], mx.array | None] | None:
+        """A whole greedy decode step (embed: ids -> residual stream; head: last residual stream -> logits) as one
+        compiled call with one upload of the step's integers, where the blocks' decode step is the reference stack:
+        the host then builds a step from a handful of ops rather than some thirty (`greedy_decode`)."""
+        if self.reference_stack is None:
+            return None
+
+        def step(ints: mx.array, *pools: mx.array) -> tuple[mx.array, ...]:
+            h, *written = self._reference_stack(embed(ints[:, 0]), ints[:, 1], ints[:, 2], ints[:, 3], ints[:, 4:],
+                                                *pools)
+            return (mx.argmax(head(h), axis=-1).astype(mx.int32), *written)
+
+        self._greedy_step = mx.compile(step)
+        return self.greedy_decode
+
+    def greedy_decode(self, batch: Batch, kv: KVPool) -> mx.array | None:
+        """Each row's likeliest next token, where every row is a sequence's one decode token and samples, its token
+        on the host (None: the step takes the model's forward pass)."""
+        rows = len(batch.positions)
+        if (self._greedy_step is None or not 0 < rows <= MAX_COMPILED_ROWS or batch.num_seqs != rows
+                or len(batch.logits_indices) != rows or batch.device_token_ids is not None):
+            return None
+        bs = batch.block_size
+        width = -(-int(batch.context_lens.max()) // bs)
+        # each row's token, position, the pool block and offset of its K/V, then its block table padded as
+        # _decode_in_one_call pads it, so a trace serves many steps
+        ints = np.zeros((rows, 4 + padded_width(width)), np.int32)
+        ints[:, 0] = batch.token_ids
+        ints[:, 1] = batch.positions
+        ints[:, 2], ints[:, 3] = np.divmod(batch.slot_mapping, bs)
+        ints[:, 4 : 4 + width] = batch.block_tables[:, :width]
+        n = len(self.layers)
+        sampled, *pools = self._greedy_step(mx.array(ints), *kv.k, *kv.v)
+        kv.k[:], kv.v[:] = pools[:n], pools[n:]
+        self.backend.written(pools)
+        return sampled
 
     def __call__(self, h: mx.array, kv: KVPool, meta: MLXMeta) -> mx.array:
         be = self.backend

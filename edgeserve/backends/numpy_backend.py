@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,6 +187,10 @@ class NumpyBackend:
             return None
         self.commit_panels()
         return CPUDecoder.build(layers, eps, ropes, self.kv_dtype)
+
+    def greedy_decoder(self, blocks: Any, embed: Callable[[np.ndarray], np.ndarray],
+                       head: Callable[[np.ndarray], np.ndarray]) -> None:
+        return None  # a step's host work is small beside its kernels here
 
     def rope_tables(self, inv_freq: np.ndarray, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
         angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)

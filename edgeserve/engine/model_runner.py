@@ -76,7 +76,9 @@ class ModelRunner:
         batch = self.build_batch(scheduled, device_tokens)
         if profile:
             profile.lap("batch")
-        tokens = self.backend.sample(self.model.forward(batch, self.kv), rows)
+        tokens = self.model.greedy_decode(batch, self.kv) if rows is None else None
+        if tokens is None:
+            tokens = self.backend.sample(self.model.forward(batch, self.kv), rows)
         if profile:
             profile.lap("graph")
         return tokens
