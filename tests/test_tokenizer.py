@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from sentencepiece import sentencepiece_model_pb2
 
@@ -114,6 +115,24 @@ def test_detokenizer_decodes_a_bounded_window(smollm2, monkeypatch, streaming):
     assert len(ids) > 500 and max(window_sizes, default=0) <= 10
     # the library's stream decodes every id itself: no window decodes; the window path decodes two per id
     assert len(window_sizes) == 0 if streaming else len(window_sizes) >= 2 * len(ids)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_byte_level_stream_spells_tokens_as_the_library_decodes_them(smollm2, skip_special_tokens):
+    """A byte-level vocabulary streams from a table of each token's bytes: every token's bytes decode as the
+    library decodes it alone, and random ids (special tokens, halves of characters and bytes that are no UTF-8
+    among them) stream to the library's decode of them all."""
+    skip = skip_special_tokens
+    pieces = smollm2._codec._byte_pieces(skip)
+    assert len(pieces) == smollm2.vocab_size
+    assert [p.decode("utf-8", "replace") for p in pieces] == [smollm2.decode([i], skip) for i in range(len(pieces))]
+    ids = np.random.default_rng(0).integers(0, smollm2.vocab_size, 4000).tolist()
+    split = smollm2.encode("🙂")[:-1]  # a character split over tokens, its last missing
+    ids[100 : 100 + len(split)] = split
+    detok = IncrementalDetokenizer(smollm2, skip_special_tokens=skip)
+    chunks = [detok.add(i) for i in ids]
+    assert "".join(chunks) + detok.flush() == smollm2.decode(ids, skip_special_tokens=skip)
+    assert split and chunks[100 : 100 + len(split)] == [""] * len(split)  # held while the character may complete
 
 
 def test_detokenizer_flush_after_a_skipped_special_token(smollm2):

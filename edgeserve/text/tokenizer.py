@@ -9,6 +9,7 @@ model declares.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -121,6 +122,19 @@ class _Codec(Protocol):
         ...
 
 
+def _byte_level_bytes() -> dict[int, int]:
+    """str.translate's table from GPT-2's byte-level alphabet (the character that spells each byte in a byte-level
+    BPE vocabulary) to the bytes, as characters below 256; a character under 256 outside the alphabet goes to one
+    above, so that encoding the result as latin-1 fails for a token the alphabet does not spell."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{c: 0x100 for c in others}, **{b: b for b in printable},
+            **{256 + i: b for i, b in enumerate(others)}}
+
+
+_BYTE_LEVEL_BYTES = _byte_level_bytes()
+
+
 class _TokenizersCodec:
     """A Hugging Face `tokenizers` pipeline."""
 
@@ -129,6 +143,7 @@ class _TokenizersCodec:
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
         self.default_bos_token_id = self.default_eos_token_id = None
+        self._pieces: dict[bool, list[bytes]] = {}  # by skip_special_tokens: each token's bytes
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -137,8 +152,39 @@ class _TokenizersCodec:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def decode_stream(self, skip_special_tokens: bool) -> Callable[[int], str | None]:
-        stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
-        return lambda token_id: stream.step(self._tok, token_id)
+        if not isinstance(self._tok.decoder, decoders.ByteLevel):
+            stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+            return lambda token_id: stream.step(self._tok, token_id)
+        # a byte-level vocabulary spells each token as fixed bytes: the stream is those bytes through an incremental
+        # UTF-8 decoder, a lookup and a C call a token where the library's stream decodes its window of ids again
+        pieces = self._byte_pieces(skip_special_tokens)
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        held = ""  # text of the tokens since the stream last gave some, while a character is split
+
+        def step(token_id: int) -> str | None:
+            nonlocal held
+            held += utf8.decode(pieces[token_id] if token_id < len(pieces) else b"")
+            if utf8.getstate()[0]:  # as the library's stream, nothing until the character is whole
+                return None
+            text, held = held, ""
+            return text
+
+        return step
+
+    def _byte_pieces(self, skip_special_tokens: bool) -> list[bytes]:
+        """Each token's bytes as a decode of it alone spells them before UTF-8 (the ByteLevel decoder's bytes where
+        the alphabet spells the token, else its text's own); a special token's none where skipped."""
+        if not self._pieces:
+            pieces = []
+            for i in range(self.vocab_size):
+                token = self._tok.id_to_token(i) or ""
+                try:
+                    pieces.append(token.translate(_BYTE_LEVEL_BYTES).encode("latin-1"))
+                except UnicodeEncodeError:
+                    pieces.append(token.encode())
+            self._pieces[False] = pieces
+            self._pieces[True] = [b"" if i in self.special_ids else piece for i, piece in enumerate(pieces)]
+        return self._pieces[skip_special_tokens]
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -332,8 +378,9 @@ class Tokenizer:
         return self._codec.decode(list(ids), skip_special_tokens)
 
     def decode_stream(self, skip_special_tokens: bool = False) -> Callable[[int], str | None] | None:
-        """Text one id at a time, as decode gives it (None while a character is split), kept by the library
-        (Hugging Face tokenizers' DecodeStream); None where the library keeps none (sentencepiece)."""
+        """Text one id at a time, as decode gives it (None while a character is split): a byte-level vocabulary's
+        token bytes through a UTF-8 decoder, or the library's own stream (Hugging Face tokenizers' DecodeStream);
+        None where the library keeps none (sentencepiece)."""
         return self._codec.decode_stream(skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
