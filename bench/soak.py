@@ -13,7 +13,8 @@ runs CLIENTS concurrent clients for MINUTES, each picking at random:
 
 Then it waits for the server to go idle and reports requests by kind and outcome, p50/p99 latency
 of the normal ones, KV blocks still held (leaked: must be 0), the server's RSS over the run (must
-level off), preemptions, and how SIGTERM drained it (exit status 0).
+level off, once the prefix store's RAM tier, reported beside it, has filled: a minute may not see
+that), preemptions, and how SIGTERM drained it (exit status 0).
 
     python bench/soak.py                      # 16 clients, 10 minutes
     python bench/soak.py --minutes 1 --json   # also the figures as JSON on the last line
@@ -340,6 +341,7 @@ def main(minutes: float, clients: int, model: str, kv_memory: str, threads: int 
         "requests_left_running": health["running"] + health["waiting"],
         "preemptions": _metric(metrics, "edgeserve_preemptions_total"),
         "rss_mib": [[round(t), round(b / 2**20, 1)] for t, b in rss],
+        "prefix_store_ram_mib": round(_metric(metrics, 'edgeserve_prefix_store_bytes{tier="ram"}') / 2**20, 1),
         "server_5xx": sum(_metric(metrics, name) for name in _series(metrics, 'edgeserve_http_requests_total{code="5')),
         "tracebacks_in_log": log.count("Traceback"),
         "sigterm_exit_status": exit_status, "sigterm_drain_s": round(drain_seconds, 2),
@@ -365,7 +367,8 @@ def _print(r: dict) -> None:
     rss = r["rss_mib"]
     half = min(rss, key=lambda sample: abs(sample[0] - rss[-1][0] / 2))
     print(f"server RSS: {rss[0][1]} MiB at the start, {rss[1][1]} after {rss[1][0]}s, {half[1]} at {half[0]}s, "
-          f"{rss[-1][1]} at the end ({rss[-1][1] - half[1]:+.1f} MiB over the second half)")
+          f"{rss[-1][1]} at the end ({rss[-1][1] - half[1]:+.1f} MiB over the second half); of it, the prefix "
+          f"store's RAM tier holds {r['prefix_store_ram_mib']} MiB of K/V at the end (it grows to its cap first)")
     print(f"SIGTERM: exit status {r['sigterm_exit_status']} after {r['sigterm_drain_s']}s")
 
 
