@@ -238,8 +238,7 @@ def test_a_decode_step_in_one_compiled_call_matches_layer_by_layer(tiny_model):
         pool = engine.runner.kv.k[0]
         ids = [engine.add_request(p, params) for p in prompts]
         done = engine.run_to_completion()
-        if whole_step or layers_in_one_call:  # the K/V the steps wrote are in the pool's first layer, as the engine
-            # holds it
+        if whole_step or layers_in_one_call:  # the K/V the steps wrote: in the pool's first layer the engine holds
             assert engine.runner.kv.k[0] is not pool and np.abs(np.array(engine.runner.kv.k[0])).max() > 0
         return {i: done[i].token_ids for i in ids}, len(steps), len(calls)
 

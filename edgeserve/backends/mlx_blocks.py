@@ -91,15 +91,15 @@ class CompiledBlocks:
         if (self._greedy_step is None or not 0 < rows <= MAX_COMPILED_ROWS or batch.num_seqs != rows
                 or len(batch.logits_indices) != rows or batch.device_token_ids is not None):
             return None
-        bs = batch.block_size
-        width = -(-int(batch.context_lens.max()) // bs)
+        _, tables, _ = batch.decode_layout()  # cut to the longest context, as the reference's are
+        width = tables.shape[1]
         # each row's token, position, the pool block and offset of its K/V, then its block table padded as
         # _decode_in_one_call pads it, so a trace serves many steps
         ints = np.zeros((rows, 4 + padded_width(width)), np.int32)
         ints[:, 0] = batch.token_ids
         ints[:, 1] = batch.positions
-        ints[:, 2], ints[:, 3] = np.divmod(batch.slot_mapping, bs)
-        ints[:, 4 : 4 + width] = batch.block_tables[:, :width]
+        ints[:, 2], ints[:, 3] = np.divmod(batch.slot_mapping, batch.block_size)
+        ints[:, 4 : 4 + width] = tables
         n = len(self.layers)
         sampled, *pools = self._greedy_step(mx.array(ints), *kv.k, *kv.v)
         kv.k[:], kv.v[:] = pools[:n], pools[n:]
