@@ -95,7 +95,7 @@ def test_detokenizer_flush_releases_an_incomplete_tail(smollm2):
     assert detok.flush() == smollm2.decode([first_byte_token])
 
 
-@pytest.mark.parametrize("streaming", [True, False], ids=["library-stream", "window"])
+@pytest.mark.parametrize("streaming", [True, False], ids=["stream", "window"])
 def test_detokenizer_decodes_a_bounded_window(smollm2, monkeypatch, streaming):
     ids = smollm2.encode("The quick brown fox jumps over the lazy dog. 東京 🙂 " * 40)
     expected = smollm2.decode(ids, skip_special_tokens=True)
@@ -113,7 +113,8 @@ def test_detokenizer_decodes_a_bounded_window(smollm2, monkeypatch, streaming):
     text = "".join(detok.add(i) for i in ids) + detok.flush()
     assert text == expected
     assert len(ids) > 500 and max(window_sizes, default=0) <= 10
-    # the library's stream decodes every id itself: no window decodes; the window path decodes two per id
+    # the tokenizer's stream (its table of token bytes here) decodes every id itself: no window decodes; the window
+    # path decodes two per id
     assert len(window_sizes) == 0 if streaming else len(window_sizes) >= 2 * len(ids)
 
 
