@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from bench_scripts import write_tiny
 
-from edgeserve.backends import panel_cache, qmatmul, resident_weight_bytes
+from edgeserve.backends import pages, panel_cache, qmatmul, resident_weight_bytes
 from edgeserve.backends.qmatmul import QMatrix
 from edgeserve.config import EngineConfig
 from edgeserve.engine.llm_engine import LLMEngine
@@ -49,7 +49,7 @@ def mapped_matrices(engine: LLMEngine) -> list[QMatrix]:
     def is_mapped(a: np.ndarray) -> bool:
         while a is not None and not isinstance(a, np.memmap):
             a = a.base
-        return a is not None and ".panels" in str(a.filename)  # the first run maps the file it is writing
+        return a is not None and str(a.filename).endswith(".panels")  # not the partial file a first run writes
 
     return [m for m in mats if all(is_mapped(s.packed) for s in m.segments)]
 
@@ -68,7 +68,7 @@ def test_a_miss_writes_the_cache_and_a_hit_maps_it_without_reading_the_weights(c
     files = list(cache_home.glob("*.panels"))
     assert len(files) == 1 and not list(cache_home.glob("*.partial"))
     np.testing.assert_array_equal(first, uncached)
-    assert len(mapped_matrices(engine)) == 2 + 4 * 8  # the first run already computes from the file
+    assert len(mapped_matrices(engine)) == 2 + 4 * 8  # the first run already computes from the finished file
 
     def no_conversion(t):
         if len(t.shape) == 2:
@@ -133,6 +133,8 @@ def test_a_new_layout_version_misses(cache_home, model_file, monkeypatch):
 @pytest.mark.parametrize("damage", ["truncated", "garbled index", "garbage", "empty"])
 def test_a_damaged_cache_file_is_rebuilt_not_an_error(cache_home, model_file, uncached, damage):
     logits(model_file)
+    for thread in panel_cache.moving():
+        thread.join()  # the file is damaged in place below, as no process that maps it would survive
     (path,) = cache_home.glob("*.panels")
     raw = path.read_bytes()
     if damage == "truncated":
@@ -191,3 +193,43 @@ def test_a_hit_leaves_none_of_the_model_file_resident(cache_home, model_file):
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) <= 64, f"{done.stdout.strip()} KiB of the model file resident"
+
+
+def _anonymous_bytes(start: int, end: int) -> int:
+    """The bytes of anonymous memory (no file behind them) this process has mapped in [start, end)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line: range, perms, offset, device, inode
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = start <= lo and hi <= end and head[4] == "0"
+            elif inside and head[0] == "Anonymous:":
+                total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the process's mappings from Linux's /proc")
+def test_a_mapped_cache_file_moves_to_anonymous_memory_every_byte_in_place(tmp_path):
+    """The kernels stream panels faster from anonymous (huge) pages than from a file's: the map moves there in the
+    background, while steps read it, at the same addresses and with the same bytes; once per file and process."""
+    path = tmp_path / "m.panels"
+    expected = np.random.default_rng(0).integers(0, 256, (40 << 20) + 12345, dtype=np.uint8)
+    expected.tofile(path)
+    for thread in panel_cache.moving():
+        thread.join()  # an earlier test's
+    data = panel_cache._mapped(path)
+    address = data.ctypes.data
+    moving = panel_cache.moving()
+    assert len(moving) == 1
+    assert panel_cache._mapped(path) is data and panel_cache.moving() == moving  # shared, moved once
+    sums = []
+    while moving[0].is_alive():  # read while chunks are swapped in
+        sums.append(int(data[:: 4096].sum()))
+    moving[0].join()
+    assert set(sums) <= {int(expected[:: 4096].sum())}
+    np.testing.assert_array_equal(data, expected)
+    assert data.ctypes.data == address
+    huge = pages.HUGE_PAGE
+    start, end = -(-address // huge) * huge, (address + data.nbytes) // huge * huge
+    assert _anonymous_bytes(start, end) == end - start

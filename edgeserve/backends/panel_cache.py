@@ -26,13 +26,15 @@ import json
 import mmap
 import os
 import struct
+import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from edgeserve.backends import qmatmul
+from edgeserve.backends import pages, qmatmul
 from edgeserve.backends.qmatmul import QMatrix, _Segment
 from edgeserve.system import home
 
@@ -40,6 +42,8 @@ MAGIC = b"EDGEPNL1"
 _ALIGN = 64
 _TAIL = struct.Struct("<QQ8s")
 ENV_VAR = "EDGESERVE_PANEL_CACHE"  # "0" or "off": repack at every start, write nothing
+_MAPS: weakref.WeakValueDictionary[tuple, np.memmap] = weakref.WeakValueDictionary()  # see _mapped
+_MOVING: list[threading.Thread] = []
 
 
 def enabled() -> bool:
@@ -75,6 +79,7 @@ class PanelCache:
         self._map: np.ndarray | None = None
         self._hits: dict[str, QMatrix] = {}
         self._index: dict[str, Any] = {}  # matrices written to the partial file this run
+        self._added: dict[str, QMatrix] = {}  # those matrices: `commit` points them at the finished file
         self._tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
         self._out: Any = None
         self._failed = False  # the cache file could not be written: this run stops trying
@@ -139,6 +144,7 @@ class PanelCache:
             self._abandon()  # a read-only or full disk: this run keeps its matrices in memory
             return
         self._index[key] = entry
+        self._added[key] = m
         written = np.memmap(self._tmp, dtype=np.uint8, mode="r")
         # the model holds `m`: it takes the mapped arrays in place, and its own copies are freed
         QMatrix.__init__(m, [_segment(written, s) for s in entry["segments"]], m.shape[1])
@@ -169,13 +175,19 @@ class PanelCache:
         for old in self.path.parent.glob(self.path.name.rsplit("-", 1)[0] + "-*.panels"):
             if old != self.path:
                 _remove(old)  # the same model's cache for an older file or layout
-        self._hits, self._index = {}, {}
+        held = {**self._hits, **self._added}
+        self._hits, self._index, self._added = {}, {}, {}
         self._load()
+        # this run's matrices take the views of the new file's map, whose pages move to anonymous memory (`_mapped`)
+        for key, m in held.items():
+            if (entry := self._entries.get(key)) is not None:
+                QMatrix.__init__(m, [_segment(self._map, s) for s in entry["segments"]], m.shape[1])
+                self._hits[key] = m
 
     def _abandon(self) -> None:
         if self._out is not None:
             self._out.close()
-        self._out, self._index, self._failed = None, {}, True
+        self._out, self._index, self._added, self._failed = None, {}, {}, True
         _remove(self._tmp)
 
     def _load(self) -> None:
@@ -185,7 +197,7 @@ class PanelCache:
             size = self.path.stat().st_size
             if size < len(MAGIC) + _TAIL.size:
                 raise ValueError("too short")
-            data = np.memmap(self.path, dtype=np.uint8, mode="r")
+            data = _mapped(self.path)
             offset, length, magic = _TAIL.unpack(bytes(data[-_TAIL.size:]))
             if bytes(data[: len(MAGIC)]) != MAGIC or magic != MAGIC or offset + length + _TAIL.size != size:
                 raise ValueError("bad magic or index position")
@@ -205,9 +217,27 @@ class PanelCache:
             _remove(self.path)  # unreadable: rebuilt by this run
             return
         self._entries, self._map = index["matrices"], data
-        # read ahead now, as llama.cpp does with its mapped file: the first step then finds the pages in memory
+
+
+def _mapped(path: Path) -> np.memmap:
+    """The cache file mapped, shared by every cache of it in this process (an engine per workload in `edgeserve
+    bench`): the first map reads ahead, as llama.cpp does with its mapped file, and its pages move to anonymous huge
+    pages in the background (`pages.move_to_anonymous_in_background`), once."""
+    stat = path.stat()
+    key = (str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    data = _MAPS.get(key)
+    if data is None:
+        data = _MAPS[key] = np.memmap(path, dtype=np.uint8, mode="r")
         if hasattr(data._mmap, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
             data._mmap.madvise(mmap.MADV_WILLNEED)
+        thread = pages.move_to_anonymous_in_background(data)
+        _MOVING[:] = [t for t in _MOVING if t.is_alive()] + ([thread] if thread is not None else [])
+    return data
+
+
+def moving() -> list[threading.Thread]:
+    """The threads still moving a cache file's pages to anonymous memory (a benchmark waits for them)."""
+    return [t for t in _MOVING if t.is_alive()]
 
 
 def _remove(path: Path) -> None:

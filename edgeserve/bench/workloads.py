@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
+from edgeserve.backends import panel_cache
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.engine.output import RequestOutput
 from edgeserve.sampling_params import SamplingParams
@@ -107,10 +108,13 @@ def shared_prefix_workload(tokenizer: Tokenizer, n: int = 16, prefix_len: int = 
 
 
 def pool_mapped(engine: LLMEngine) -> LLMEngine:
-    """engine, once its KV pool's pages are mapped in (populate_kv), as llama.cpp clears its cache before it times:
-    no timed step pays for the first touch of a page."""
+    """engine, once its KV pool's pages are mapped in (populate_kv), as llama.cpp clears its cache before it times,
+    and its weights are in anonymous memory: no timed step pays for the first touch of a page or reads the weights
+    from the file's pages."""
     if engine.populating is not None:
         engine.populating.join()
+    for thread in panel_cache.moving():
+        thread.join()
     return engine
 
 
