@@ -9,6 +9,7 @@ forking one prompt) waited 20-40 ms for that on a fresh server: the victim strea
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import sys
 import threading
@@ -44,10 +45,7 @@ def _populate(arrays: list[np.ndarray]) -> None:
 
 
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and on arm64 with 4 KiB pages
-MADV_HUGEPAGE = 14
-MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
-PROT_READ, PROT_WRITE = 1, 2
-MAP_PRIVATE, MAP_ANONYMOUS = 0x02, 0x20
+MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2  # Linux's, on every architecture
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -96,7 +94,8 @@ def _move(mapped: np.ndarray) -> None:
         size = min(CHUNK_BYTES, end - at)
         if not _room_for(size):
             return  # the file's pages can be dropped under pressure, a copy could not: the rest stays as it is
-        raw = mmap_(None, size + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        raw = mmap_(None, size + HUGE_PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                    -1, 0)
         if raw == MAP_FAILED:
             return  # no memory for a copy now: the rest stays mapped from the file
         copy = -(-raw // HUGE_PAGE) * HUGE_PAGE
@@ -104,9 +103,9 @@ def _move(mapped: np.ndarray) -> None:
         if copy > raw:
             libc.munmap(raw, copy - raw)
         libc.munmap(copy + size, raw + HUGE_PAGE - copy)
-        libc.madvise(copy, size, MADV_HUGEPAGE)  # refused where huge pages are off: the copy is 4 KiB pages then
+        libc.madvise(copy, size, mmap.MADV_HUGEPAGE)  # refused where huge pages are off: the copy is 4 KiB pages then
         ctypes.memmove(copy, at, size)
-        libc.mprotect(copy, size, PROT_READ)
+        libc.mprotect(copy, size, mmap.PROT_READ)
         if mremap(copy, size, size, MREMAP_MAYMOVE | MREMAP_FIXED, at) == MAP_FAILED:
             libc.munmap(copy, size)
             return
