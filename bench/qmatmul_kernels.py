@@ -11,7 +11,7 @@ o, gate/up stacked, down; Q4_0 or Q4_K) for each thread count, as GB/s of weight
 share of a plain read with the same threads, measured alternately in the same run.
 
     python bench/qmatmul_kernels.py [--threads N] [--impl c|numba] [--rows 1,4,16,64,512]
-    python bench/qmatmul_kernels.py --model 1b --quant q4_k --threads 1,2 [--activations int8]
+    python bench/qmatmul_kernels.py --model 1b --quant q4_k --threads 1,2 [--activations int8]  (or q4_0, q6_k)
 
 On a busy machine compare one thread with one thread: OPENBLAS_NUM_THREADS=1 ... --threads 1.
 """
@@ -47,12 +47,17 @@ def random_tensor(rng: np.random.Generator, n: int, k: int, bits: int, group: in
     return QuantizedTensor(words, scales, biases, bits, group)
 
 
-def random_kquant(rng: np.random.Generator, n: int, k: int) -> KQuantTensor:
-    """Random Q4_K blocks with small float16 d and dmin (the rest of a block is any bytes)."""
-    blocks = rng.integers(0, 256, size=(n, k // SUPER, 144), dtype=np.uint8)
-    blocks[..., 0:2] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
-    blocks[..., 2:4] = np.frombuffer(np.float16(0.0005).tobytes(), np.uint8)
-    return KQuantTensor(blocks.reshape(n, -1), gguf.GGMLQuantizationType.Q4_K, k)
+def random_kquant(rng: np.random.Generator, n: int, k: int, qtype: str = "q4_k") -> KQuantTensor:
+    """Random Q4_K (or Q6_K) blocks with small float16 d (and Q4_K's dmin; the rest of a block is any bytes)."""
+    size = 144 if qtype == "q4_k" else 210
+    blocks = rng.integers(0, 256, size=(n, k // SUPER, size), dtype=np.uint8)
+    if qtype == "q4_k":
+        blocks[..., 0:2] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+        blocks[..., 2:4] = np.frombuffer(np.float16(0.0005).tobytes(), np.uint8)
+    else:
+        blocks[..., 208:210] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+    kind = gguf.GGMLQuantizationType.Q4_K if qtype == "q4_k" else gguf.GGMLQuantizationType.Q6_K
+    return KQuantTensor(blocks.reshape(n, -1), kind, k)
 
 
 def timed(f, seconds: float = 0.25, clock=time.perf_counter) -> float:
@@ -97,7 +102,7 @@ def llama_pass(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(0)
 
     def weight(n: int, k: int) -> QuantizedTensor | KQuantTensor:
-        return random_kquant(rng, n, k) if args.quant == "q4_k" else random_tensor(rng, n, k, 4)
+        return random_tensor(rng, n, k, 4) if args.quant == "q4_0" else random_kquant(rng, n, k, args.quant)
 
     shapes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * mlp, hidden), (hidden, mlp)]
     layers = [[qm.prepare([weight(n, k)]) for n, k in shapes] for _ in range(n_layers)]
@@ -134,7 +139,7 @@ def main() -> None:
     ap.add_argument("--impl", choices=["c", "numba"], default=None, help="kernel (default: C extension if built)")
     ap.add_argument("--rows", default="1,4,16,64,512", help="row counts R of x [R, K]")
     ap.add_argument("--model", choices=sorted(LLAMA), default=None, help="a Llama shape's decode weight pass")
-    ap.add_argument("--quant", choices=["q4_0", "q4_k"], default="q4_0", help="--model's weights")
+    ap.add_argument("--quant", choices=["q4_0", "q4_k", "q6_k"], default="q4_0", help="--model's weights")
     ap.add_argument("--activations", choices=["int8", "int16"], default=None, help="the kernels' activation integers")
     ap.add_argument("--repeat", type=int, default=3, help="--model: alternating runs of pass and read")
     args = ap.parse_args()
