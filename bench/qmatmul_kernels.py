@@ -7,11 +7,11 @@ matrices and the head, so nothing stays in cache) with its achieved read bandwid
 plain sequential read measured in the same run, and the Python-side overhead of one call.
 
 --model 1b / 3b: a decode step's weight pass over every layer's own matrices (q/k/v stacked,
-o, gate/up stacked, down; Q4_0 or Q4_K) for each thread count, as GB/s of weights read and as a
+o, gate/up stacked, down; Q4_0, Q4_K or Q6_K) for each thread count, as GB/s of weights read and as a
 share of a plain read with the same threads, measured alternately in the same run.
 
     python bench/qmatmul_kernels.py [--threads N] [--impl c|numba] [--rows 1,4,16,64,512]
-    python bench/qmatmul_kernels.py --model 1b --quant q4_k --threads 1,2 [--activations int8]  (or q4_0, q6_k)
+    python bench/qmatmul_kernels.py --model 1b --quant q4_k --threads 1,2 [--activations int8]
 
 On a busy machine compare one thread with one thread: OPENBLAS_NUM_THREADS=1 ... --threads 1.
 """
