@@ -84,10 +84,13 @@ class Batch:
     def decode_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows of the single-token (decode) sequences, their block tables cut to the longest context,
         and their context lengths."""
-        dec = np.flatnonzero(self.query_lens == 1)
-        ctx = self.context_lens[dec]
-        max_blocks = int(-(-ctx.max() // self.block_size)) if len(dec) else 0
-        return self.query_start[dec], self.block_tables[dec, :max_blocks], ctx
+        if len(self.positions) == self.num_seqs:  # every sequence decodes: views, no gathers
+            starts, tables, ctx = self.query_start[:-1], self.block_tables, self.context_lens
+        else:
+            dec = np.flatnonzero(self.query_lens == 1)
+            starts, tables, ctx = self.query_start[dec], self.block_tables[dec], self.context_lens[dec]
+        max_blocks = int(-(-ctx.max() // self.block_size)) if len(ctx) else 0
+        return starts, tables[:, :max_blocks], ctx
 
     def prefill_chunks(self) -> list[PrefillChunkLayout]:
         """The multi-token (prefill) chunks, each with its causal mask against its whole context."""
