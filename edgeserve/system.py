@@ -20,6 +20,42 @@ def available_memory_bytes() -> int:
         return page * os.sysconf("SC_PHYS_PAGES") // 2
 
 
+def memory_headroom(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> tuple[int, int] | None:
+    """(bytes this process may still fill with memory the kernel cannot reclaim, the memory it may use in all) on
+    Linux: MemAvailable and MemTotal, or its control group's limit less its usage and that limit where lower (a
+    container's `--memory`); None elsewhere."""
+    try:
+        meminfo = (proc / "meminfo").read_text().splitlines()
+        groups = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    info = {}
+    for line in meminfo:  # "MemAvailable:   24116920 kB"
+        name, _, value = line.partition(":")
+        if value.split()[:1] and value.split()[0].isdigit():
+            info[name] = int(value.split()[0]) * 1024
+    machine = info.get("MemTotal", 0)
+    room, total = info.get("MemAvailable", info.get("MemFree", 0)), machine
+    for line in groups:  # v2 "0::/path"; v1 "4:memory:/path"
+        if line.count(":") < 2:
+            continue
+        _, controllers, path = line.split(":", 2)
+        if controllers not in ("", "memory") and "memory" not in controllers.split(","):
+            continue
+        base, files = (cgroups, ("memory.max", "memory.current")) if controllers == "" else (
+            cgroups / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes"))
+        parts = [p for p in path.split("/") if p]
+        # the group and each above it (a limit may sit on a parent), and the mount's root, which a container sees as
+        # its own group whatever path the host gives it
+        for depth in range(len(parts), -1, -1):
+            folder = base.joinpath(*parts[:depth])
+            with contextlib.suppress(OSError, ValueError):
+                limit_text, usage_text = ((folder / f).read_text().strip() for f in files)
+                if limit_text != "max" and int(limit_text) < machine:  # v1 writes "no limit" as a huge number
+                    room, total = min(room, int(limit_text) - int(usage_text)), min(total, int(limit_text))
+    return room, total
+
+
 def home() -> Path:
     """The edgeserve cache folder (EDGESERVE_HOME, default ~/.cache/edgeserve): models, panels, tools."""
     return Path(os.environ.get("EDGESERVE_HOME", Path.home() / ".cache" / "edgeserve"))

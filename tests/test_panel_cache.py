@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from bench_scripts import write_tiny
 
+from edgeserve import system
 from edgeserve.backends import pages, panel_cache, qmatmul, resident_weight_bytes
 from edgeserve.backends.qmatmul import QMatrix
 from edgeserve.config import EngineConfig
@@ -233,3 +234,56 @@ def test_a_mapped_cache_file_moves_to_anonymous_memory_every_byte_in_place(tmp_p
     huge = pages.HUGE_PAGE
     start, end = -(-address // huge) * huge, (address + data.nbytes) // huge * huge
     assert _anonymous_bytes(start, end) == end - start
+
+
+def _cgroup_tree(root: Path, groups: str, files: dict[str, str]) -> tuple[Path, Path]:
+    """A /proc and a /sys/fs/cgroup of 20 GiB total and 16 GiB available, with the given cgroup lines and files."""
+    proc = root / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:       20971520 kB\nMemFree:  1 kB\nMemAvailable:   16777216 kB\n"
+                                  "HugePages_Total:       0\n")
+    (proc / "self" / "cgroup").write_text(groups)
+    for name, text in files.items():
+        (root / "cg" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "cg" / name).write_text(text)
+    return proc, root / "cg"
+
+
+def test_memory_headroom_is_the_tighter_of_the_system_and_a_container_limit(tmp_path):
+    gib = 1 << 30
+    free = _cgroup_tree(tmp_path / "a", "0::/user.slice\n", {"user.slice/memory.max": "max\n",
+                                                             "user.slice/memory.current": "123\n"})
+    assert system.memory_headroom(*free) == (16 * gib, 20 * gib)
+    v2 = _cgroup_tree(tmp_path / "b", "0::/\n", {"memory.max": f"{4 * gib}\n", "memory.current": f"{3 * gib}\n"})
+    assert system.memory_headroom(*v2) == (gib, 4 * gib)
+    # cgroup v1, the limit on the parent of the process's group
+    v1 = _cgroup_tree(tmp_path / "c", "5:cpu:/\n4:memory:/docker/abc\n0::/\n",
+                      {"memory/docker/memory.limit_in_bytes": f"{2 * gib}\n",
+                       "memory/docker/memory.usage_in_bytes": f"{gib // 2}\n",
+                       "memory/docker/abc/memory.limit_in_bytes": "9223372036854771712\n",
+                       "memory/docker/abc/memory.usage_in_bytes": "5\n"})
+    assert system.memory_headroom(*v1) == (gib + gib // 2, 2 * gib)
+    # a group's own limit, and its parent's larger one that its siblings have nearly filled
+    nested = _cgroup_tree(tmp_path / "d", "0::/a/b\n",
+                          {"a/memory.max": f"{8 * gib}\n", "a/memory.current": f"{7 * gib}\n",
+                           "a/b/memory.max": f"{4 * gib}\n", "a/b/memory.current": "0\n"})
+    assert system.memory_headroom(*nested) == (gib, 4 * gib)
+    assert system.memory_headroom(tmp_path / "nowhere", tmp_path / "nowhere") is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the process's mappings from Linux's /proc")
+def test_a_cache_file_stays_mapped_where_memory_is_short(tmp_path, monkeypatch):
+    """A copy cannot be dropped under memory pressure as the file's pages can: a container near its limit keeps them."""
+    monkeypatch.setattr(pages, "memory_headroom", lambda: (1 << 30, 2 << 30))  # 1 of 2 GiB left: under the margin
+    path = tmp_path / "m.panels"
+    expected = np.random.default_rng(1).integers(0, 256, 8 << 20, dtype=np.uint8)
+    expected.tofile(path)
+    for thread in panel_cache.moving():
+        thread.join()
+    data = panel_cache._mapped(path)
+    for thread in panel_cache.moving():
+        thread.join()
+    np.testing.assert_array_equal(data, expected)
+    huge = pages.HUGE_PAGE
+    start, end = -(-data.ctypes.data // huge) * huge, (data.ctypes.data + data.nbytes) // huge * huge
+    assert end > start and _anonymous_bytes(start, end) == 0

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from edgeserve.system import memory_headroom
+
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: map pages writable, contents unchanged
 CHUNK_BYTES = 64 << 20  # one call's span: the GIL is free throughout, and a stop costs at most one chunk
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -70,15 +72,10 @@ def move_to_anonymous_in_background(mapped: np.ndarray) -> threading.Thread | No
 
 
 def _room_for(size: int) -> bool:
-    """Whether `size` more bytes of memory the kernel cannot reclaim leave the system a margin: 1 GiB or a tenth of
-    its memory, whichever is more."""
-    info = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            name, value = line.split(":", 1)
-            info[name] = int(value.split()[0]) * 1024
-    available = info.get("MemAvailable", info.get("MemFree", 0))
-    return available - size > max(1 << 30, info.get("MemTotal", 0) // 10)
+    """Whether `size` more bytes of memory the kernel cannot reclaim leave this process (its container's limit
+    included) a margin: 1 GiB or a tenth of its memory, whichever is more."""
+    headroom = memory_headroom()
+    return headroom is not None and headroom[0] - size > max(1 << 30, headroom[1] // 10)
 
 
 def _move(mapped: np.ndarray) -> None:
