@@ -32,8 +32,9 @@ def memory_headroom(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cg
     info = {}
     for line in meminfo:  # "MemAvailable:   24116920 kB"
         name, _, value = line.partition(":")
-        if value.split()[:1] and value.split()[0].isdigit():
-            info[name] = int(value.split()[0]) * 1024
+        number = value.split()[:1]
+        if number and number[0].isdigit():
+            info[name] = int(number[0]) * 1024
     machine = info.get("MemTotal", 0)
     room, total = info.get("MemAvailable", info.get("MemFree", 0)), machine
     for line in groups:  # v2 "0::/path"; v1 "4:memory:/path"

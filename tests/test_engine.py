@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from edgeserve.backends.pages import populate_in_background
+from edgeserve.backends.pages import PAGE, aligned_inside, populate_in_background
 from edgeserve.config import EngineConfig
 from edgeserve.engine.async_engine import AsyncEngine
 from edgeserve.engine.llm_engine import LLMEngine
@@ -304,14 +304,12 @@ def test_engine_config(tiny_model):
 
 def _resident_bytes(array: np.ndarray) -> int:
     """The bytes of array's whole pages that are in RAM now (mincore, page by page)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    start = -(-array.ctypes.data // page) * page
-    pages = (array.ctypes.data + array.nbytes - start) // page
-    in_core = (ctypes.c_ubyte * pages)()
+    start, end = aligned_inside(array, PAGE)
+    in_core = (ctypes.c_ubyte * ((end - start) // PAGE))()
     mincore = ctypes.CDLL(None, use_errno=True).mincore
     mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    assert mincore(start, pages * page, in_core) == 0, os.strerror(ctypes.get_errno())
-    return sum(b & 1 for b in in_core) * page
+    assert mincore(start, end - start, in_core) == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in in_core) * PAGE
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")

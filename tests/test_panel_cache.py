@@ -231,8 +231,7 @@ def test_a_mapped_cache_file_moves_to_anonymous_memory_every_byte_in_place(tmp_p
     assert set(sums) <= {int(expected[:: 4096].sum())}
     np.testing.assert_array_equal(data, expected)
     assert data.ctypes.data == address
-    huge = pages.HUGE_PAGE
-    start, end = -(-address // huge) * huge, (address + data.nbytes) // huge * huge
+    start, end = pages.aligned_inside(data, pages.HUGE_PAGE)
     assert _anonymous_bytes(start, end) == end - start
 
 
@@ -284,6 +283,5 @@ def test_a_cache_file_stays_mapped_where_memory_is_short(tmp_path, monkeypatch):
     for thread in panel_cache.moving():
         thread.join()
     np.testing.assert_array_equal(data, expected)
-    huge = pages.HUGE_PAGE
-    start, end = -(-data.ctypes.data // huge) * huge, (data.ctypes.data + data.nbytes) // huge * huge
+    start, end = pages.aligned_inside(data, pages.HUGE_PAGE)
     assert end > start and _anonymous_bytes(start, end) == 0

@@ -37,14 +37,33 @@ def populate_in_background(arrays: Sequence[np.ndarray]) -> threading.Thread | N
 
 
 def _populate(arrays: list[np.ndarray]) -> None:
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc = _libc()
     for array in arrays:
-        start = -(-array.ctypes.data // PAGE) * PAGE  # whole pages inside the array only
-        end = (array.ctypes.data + array.nbytes) // PAGE * PAGE
+        start, end = aligned_inside(array, PAGE)
         for at in range(start, end, CHUNK_BYTES):
-            if madvise(at, min(CHUNK_BYTES, end - at), MADV_POPULATE_WRITE) != 0:
+            if libc.madvise(at, min(CHUNK_BYTES, end - at), MADV_POPULATE_WRITE) != 0:
                 return  # not supported here (EINVAL), or no memory for it now: the pages map on first use
+
+
+def aligned_inside(array: np.ndarray, align: int) -> tuple[int, int]:
+    """The first and the end address of the whole `align`-sized, `align`-aligned spans inside array's memory."""
+    return _round_up(array.ctypes.data, align), (array.ctypes.data + array.nbytes) // align * align
+
+
+def _round_up(address: int, align: int) -> int:
+    return -(-address // align) * align
+
+
+def _libc() -> ctypes.CDLL:
+    """The C library, with the prototypes of the memory calls made here (their pointers and sizes as 64 bits)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    ptr, size, num = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    for name, result, args in (("madvise", num, [ptr, size, num]), ("mprotect", num, [ptr, size, num]),
+                               ("munmap", num, [ptr, size]), ("mmap", ptr, [ptr, size, num, num, num, ctypes.c_long]),
+                               ("mremap", ptr, [ptr, size, size, num, ptr])):
+        call = getattr(libc, name)
+        call.restype, call.argtypes = result, args
+    return libc
 
 
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and on arm64 with 4 KiB pages
@@ -79,28 +98,19 @@ def _room_for(size: int) -> bool:
 
 
 def _move(mapped: np.ndarray) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    mmap_ = libc.mmap
-    mmap_.restype, mmap_.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                                                      ctypes.c_int, ctypes.c_long]
-    mremap = libc.mremap
-    mremap.restype, mremap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
-                                                        ctypes.c_int, ctypes.c_void_p]
-    for name in ("munmap", "madvise", "mprotect"):
-        getattr(libc, name).argtypes = [ctypes.c_void_p, ctypes.c_size_t] + ([ctypes.c_int] * (name != "munmap"))
-    start = -(-mapped.ctypes.data // HUGE_PAGE) * HUGE_PAGE
-    end = (mapped.ctypes.data + mapped.nbytes) // HUGE_PAGE * HUGE_PAGE
+    libc = _libc()
+    start, end = aligned_inside(mapped, HUGE_PAGE)
     with contextlib.suppress(OSError):  # Linux: this thread's own niceness
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), MOVER_NICENESS)
     for at in range(start, end, MOVE_BYTES):
         size = min(MOVE_BYTES, end - at)
         if not _room_for(size):
             return  # the file's pages can be dropped under pressure, a copy could not: the rest stays as it is
-        raw = mmap_(None, size + HUGE_PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                    -1, 0)
+        raw = libc.mmap(None, size + HUGE_PAGE, mmap.PROT_READ | mmap.PROT_WRITE,
+                        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
         if raw == MAP_FAILED:
             return  # no memory for a copy now: the rest stays mapped from the file
-        copy = -(-raw // HUGE_PAGE) * HUGE_PAGE
+        copy = _round_up(raw, HUGE_PAGE)
         # the slack around the aligned copy goes now: unmapped after the move, its range might hold another mapping
         if copy > raw:
             libc.munmap(raw, copy - raw)
@@ -108,6 +118,6 @@ def _move(mapped: np.ndarray) -> None:
         libc.madvise(copy, size, mmap.MADV_HUGEPAGE)  # refused where huge pages are off: the copy is 4 KiB pages then
         ctypes.memmove(copy, at, size)
         libc.mprotect(copy, size, mmap.PROT_READ)
-        if mremap(copy, size, size, MREMAP_MAYMOVE | MREMAP_FIXED, at) == MAP_FAILED:
+        if libc.mremap(copy, size, size, MREMAP_MAYMOVE | MREMAP_FIXED, at) == MAP_FAILED:
             libc.munmap(copy, size)
             return

@@ -17,9 +17,9 @@ class IncrementalDetokenizer:
     tokenizers' DecodeStream, which keeps its own state in Rust), each id goes to it: a fraction of
     the time of the window decodes below, which a server pays for every token of every stream.
     Otherwise each step decodes only a short window: the ids since the last emitted text plus a few
-    tokens before them for context (the approach of vLLM and TGI). While the window's text ends in U+FFFD, a multi-byte character is still
-    incomplete and nothing is emitted. Either way the window of ids is kept, so that `flush` can
-    release an incomplete tail at the end.
+    tokens before them for context (the approach of vLLM and TGI). While the window's text ends in
+    U+FFFD, a multi-byte character is still incomplete and nothing is emitted. Either way the window
+    of ids is kept, so that `flush` can release an incomplete tail at the end.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
