@@ -8,9 +8,11 @@ an int32 lane:
     4 bits: nibble i (bits 4i..4i+3) = w[k0 + 2i] for i < 4, w[k0 + 2(i - 4) + 1] for i >= 4
     8 bits: byte order w[k0], w[k0 + 2], w[k0 + 1], w[k0 + 3]
 Scales and biases are [panels, K / group, 16] float16 or float32. Symmetric groups (GGUF Q4_0,
-Q5_0, Q8_0: bias = -center * scale, exact in float32) keep no biases: the kernels form each group's
-bias from its scale, so a decode step reads the GGUF's bytes and no more (Q4_0 read 20 bytes per
-32 weights with the biases stored, against GGUF's 18: a 1B decode pass took 7% longer).
+Q5_0, Q8_0: bias = -center * scale, exact in float32) keep no biases, so a decode step reads the
+GGUF's bytes and no more (Q4_0 read 20 bytes per 32 weights with the biases stored, against GGUF's
+18: a 1B decode pass took 7% longer): their activation sums are taken times -center instead (the
+center is a power of two, so b * sum(x) = s * (-center * sum(x)) to the bit) and the scale serves as
+the bias.
 
 K-quant segments (GGUF Q4_K/Q5_K/Q6_K, see quant/kquants.py) keep two-level scales instead:
 int8 sc and m [panels, K / group, 16] and float16/float32 d and dmin [panels, K / 256, 16] (passed
@@ -58,8 +60,7 @@ besides (float16 scales), checked with the CPU's features before either is chose
 
 typedef struct Task {
     const uint32_t *w;
-    const void *scales, *biases; /* biases NULL: -center * scale (QmMatrix) */
-    float center;
+    const void *scales, *biases; /* biases NULL: symmetric groups, xs holds -center * sum(x) (QmMatrix) */
     const int16_t *xq;  /* [R, K] int16 activations, or NULL */
     const int8_t *x8;   /* [R, K] int8 activations in the weights' byte order (see quantize_rows8), or NULL;
                            super-block-major [K / 256, R, 256] for the super-block kernels (sb_x) */
@@ -123,7 +124,7 @@ static inline void group_update(const Task *t, int p, int g, int r, const int32_
             b = load_scale(t->biases, dofs + c, t->f16) * (float)t->km[so + c];
         } else {
             s = load_scale(t->scales, so + c, t->f16);
-            b = t->biases ? load_scale(t->biases, so + c, t->f16) : -t->center * s;
+            b = t->biases ? load_scale(t->biases, so + c, t->f16) : s;
         }
         facc[c] += (float)acc[c] * (s * d) + b * sx;
     }
@@ -255,7 +256,7 @@ avx512_group_scales(const Task *t, int p, int g, __m512 *s, __m512 *b) {
         *b = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(t->km + so)))));
     } else {
         *s = load_scales512(t->scales, so, t->f16);
-        *b = t->biases ? load_scales512(t->biases, so, t->f16) : _mm512_mul_ps(*s, _mm512_set1_ps(-t->center));
+        *b = t->biases ? load_scales512(t->biases, so, t->f16) : *s;
     }
 }
 
@@ -395,7 +396,7 @@ avx2_group_scales(const Task *t, int p, int g, int h, __m256 *s, __m256 *b) {
         *b = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t->km + so)))));
     } else {
         *s = load_scales256(t->scales, so, t->f16);
-        *b = t->biases ? load_scales256(t->biases, so, t->f16) : _mm256_mul_ps(*s, _mm256_set1_ps(-t->center));
+        *b = t->biases ? load_scales256(t->biases, so, t->f16) : *s;
     }
 }
 
@@ -991,7 +992,7 @@ avx512_store(const Task *t, int p, int r0, const __m512 *facc, const int RB) {
    word where four did (the registers hold them: 8 accumulators, 8 sums): Q4_0 matmuls of 8-64 rows
    ran 5-17% faster on two threads. */
 static inline AVX512_TARGET __attribute__((always_inline)) void
-avx512_tile8(const Task *t, int p, int r0, const int RB, const int BITS, const int GC) {
+avx512_tile8(const Task *t, int p, int r0, const int RB, const int BITS, const int GC, const int SYM) {
     const int K = t->K, G = GC ? GC : t->group, ng = K / G, epw = 32 / BITS, wpg = G / epw;
     const int NA = RB == 1 && BITS == 4 ? 2 : 1;
     const uint32_t *wp = t->w + (size_t)p * (K / epw) * PANEL;
@@ -1022,7 +1023,10 @@ avx512_tile8(const Task *t, int p, int r0, const int RB, const int BITS, const i
             }
         }
         __m512 s, b;
-        avx512_group_scales(t, p, g, &s, &b);
+        if (SYM) /* the bias is the scale (xs holds -center * sum(x)) */
+            s = b = load_scales512(t->scales, ((size_t)p * ng + g) * PANEL, t->f16);
+        else
+            avx512_group_scales(t, p, g, &s, &b);
         for (int r = 0; r < RB; r++) {
             const size_t xi = (size_t)(r0 + r) * ng + g;
             const __m512i a = NA == 2 ? _mm512_add_epi32(acc[r][0], acc[r][1]) : acc[r][0];
@@ -1161,16 +1165,18 @@ avx512_tile_sb(const Task *t, int p, int r, const int RB, const int HB, const in
 
 /* Each layout's own function, so that its loops get the registers to themselves. */
 static AVX512_TARGET __attribute__((noinline)) void avx512_panel_q4(const Task *t, int p, int r0, int r1) {
-    AVX512_ROWS8(avx512_tile8, 4, 32);
+    if (t->biases) AVX512_ROWS8(avx512_tile8, 4, 32, 0);
+    else AVX512_ROWS8(avx512_tile8, 4, 32, 1);
 }
 static AVX512_TARGET __attribute__((noinline)) void avx512_panel_q8(const Task *t, int p, int r0, int r1) {
-    AVX512_ROWS8(avx512_tile8, 8, 32);
+    if (t->biases) AVX512_ROWS8(avx512_tile8, 8, 32, 0);
+    else AVX512_ROWS8(avx512_tile8, 8, 32, 1);
 }
 static AVX512_TARGET __attribute__((noinline)) void avx512_panel_affine4(const Task *t, int p, int r0, int r1) {
-    AVX512_ROWS8(avx512_tile8, 4, 0);
+    AVX512_ROWS8(avx512_tile8, 4, 0, 0);
 }
 static AVX512_TARGET __attribute__((noinline)) void avx512_panel_affine8(const Task *t, int p, int r0, int r1) {
-    AVX512_ROWS8(avx512_tile8, 8, 0);
+    AVX512_ROWS8(avx512_tile8, 8, 0, 0);
 }
 /* A K-quant panel's rows r0..r1 (at most ROW_TILE), one super-block at a time. */
 static inline AVX512_TARGET __attribute__((always_inline)) void
@@ -1435,7 +1441,8 @@ int qm_matrix_parse(PyObject *const *a, int n, Py_ssize_t K, QmMatrix *m, Py_buf
         (*nheld)++;
         len[i] = (size_t)b[i]->len;
     }
-    if (N < 0 || (bits != 4 && bits != 8) || group <= 0 || K % group || !isfinite(center) ||
+    int center_exp;
+    if (N < 0 || (bits != 4 && bits != 8) || group <= 0 || K % group || (symmetric && frexp(center, &center_exp) != 0.5) ||
         (kq ? bits != 4 || hbits < 0 || hbits > 2 || (group != 16 && group != 32) || K % 256 : group % 32)) {
         PyErr_SetString(PyExc_ValueError, "gemm: bad shapes, strides or parameters");
         return -1;
@@ -1484,9 +1491,11 @@ int qm_gemm(const QmMatrix *m, const float *x, int R, float *out, Py_ssize_t ldo
     else quantize_item(&job, 0);
     if (sb) /* a group's sum is at most 32 * 127 */
         for (size_t i = 0; i < nd; i++) xi16[i] = (int16_t)xi[i];
+    if (!m->kq && !m->biases)
+        for (size_t i = 0; i < nd; i++) xs[i] *= -m->center;
     Task *t = &g_task;
     *t = (Task){
-        .w = m->w, .scales = m->scales, .biases = m->biases, .center = m->center, .xq = act8 ? NULL : g_xq,
+        .w = m->w, .scales = m->scales, .biases = m->biases, .xq = act8 ? NULL : g_xq,
         .x8 = act8 ? (const int8_t *)g_xq : NULL, .xi = xi, .xi16 = xi16, .xd = xd, .xs = xs, .out = out, .ldo = ldo,
         .kernel = act8 ? g_kernel8 : g_kernel,
         .R = R, .K = K, .N = m->N, .bits = m->bits, .group = G, .f16 = m->f16, .hw = m->hw, .ksc = m->ksc,
