@@ -47,6 +47,12 @@ def random_tensor(rng: np.random.Generator, n: int, k: int, bits: int, group: in
     return QuantizedTensor(words, scales, biases, bits, group)
 
 
+def random_q4_0(rng: np.random.Generator, n: int, k: int) -> QuantizedTensor:
+    """random_tensor with GGUF Q4_0's symmetric groups (bias -8 * scale): what a Q4_0 file's decode reads."""
+    t = random_tensor(rng, n, k, 4)
+    return QuantizedTensor(t.weight, t.scales, (np.float32(-8) * t.scales.astype(np.float32)).astype(np.float16), 4, 32)
+
+
 def random_kquant(rng: np.random.Generator, n: int, k: int, qtype: str = "q4_k") -> KQuantTensor:
     """Random Q4_K (or Q6_K) blocks with small float16 d (and Q4_K's dmin; the rest of a block is any bytes)."""
     size = 144 if qtype == "q4_k" else 210
@@ -102,7 +108,7 @@ def llama_pass(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(0)
 
     def weight(n: int, k: int) -> QuantizedTensor | KQuantTensor:
-        return random_tensor(rng, n, k, 4) if args.quant == "q4_0" else random_kquant(rng, n, k, args.quant)
+        return random_q4_0(rng, n, k) if args.quant == "q4_0" else random_kquant(rng, n, k, args.quant)
 
     shapes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * mlp, hidden), (hidden, mlp)]
     layers = [[qm.prepare([weight(n, k)]) for n, k in shapes] for _ in range(n_layers)]
