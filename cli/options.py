@@ -101,8 +101,8 @@ def model_options(run: Callable | None = None, *, ctx_default: str = "the model'
                           "measures what each costs (pair them with --activations int16 on small models). auto: "
                           "float16 on the CPU (float32 with --weights float32), the activations' dtype on MLX.")(f)
     f = click.option("--kv-memory", default=DEFAULT_KV_MEMORY, show_default=True,
-                     help="KV pool size: 2GiB, 512MiB, or a fraction of free memory (0.25, 25%), whatever the "
-                          "--kv-dtype.")(f)
+                     help="KV pool size: 2GiB, 512MiB, or a fraction of available memory (0.25, 25%; a container's "
+                          "limit counts), whatever the --kv-dtype.")(f)
     f = click.option("--activations", type=click.Choice(list(ACTIVATION_MODES)), default=None,
                      help="NumPy backend's quantized kernels: activations as int8 (llama.cpp's way: fewer "
                           "instructions a weight, 1-2% higher perplexity) or int16 (closest to float32)  "

@@ -12,7 +12,12 @@ def usable_cores() -> int:
 
 
 def available_memory_bytes() -> int:
-    """Memory free for new allocations (Linux); half of physical memory where the OS does not say (macOS)."""
+    """Memory this process may still fill: `memory_headroom`'s on Linux (page cache counts as free, a container's
+    limit holds), where free pages alone left a machine whose cache filled its memory a small KV pool; half of
+    physical memory where the OS does not say (macOS)."""
+    headroom = memory_headroom()
+    if headroom is not None:
+        return max(headroom[0], 0)
     page = os.sysconf("SC_PAGE_SIZE")
     try:
         return page * os.sysconf("SC_AVPHYS_PAGES")

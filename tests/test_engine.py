@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from edgeserve import system
 from edgeserve.backends.pages import PAGE, aligned_inside, populate_in_background
 from edgeserve.config import EngineConfig
 from edgeserve.engine.async_engine import AsyncEngine
@@ -291,12 +292,15 @@ def test_kv_map_and_stats_report_the_block_manager(engine, prompts):
     assert_no_leaks(engine)
 
 
-def test_engine_config(tiny_model):
+def test_engine_config(tiny_model, monkeypatch):
     assert EngineConfig(kv_memory="2MiB").kv_budget_bytes() == 2 * 2**20
     assert EngineConfig(kv_memory=1000).kv_budget_bytes() == 1000
     assert 0 < EngineConfig(kv_memory="25%").kv_budget_bytes() < EngineConfig(kv_memory="0.5").kv_budget_bytes()
     with pytest.raises(EdgeserveError, match="invalid KV memory fraction"):
         EngineConfig(kv_memory="150%").kv_budget_bytes()
+    # a fraction is of the memory the process may still fill: MemAvailable, or its container's limit less its usage
+    monkeypatch.setattr(system, "memory_headroom", lambda: (3 * 2**30, 8 * 2**30))
+    assert EngineConfig(kv_memory="25%").kv_budget_bytes() == 3 * 2**30 // 4
     engine = LLMEngine(tiny_model, EngineConfig(backend="numpy", kv_memory="1MiB"), block_size=8)
     assert engine.config.block_size == engine.pool_size.block_size == 8
     assert engine.config.kv_memory == "1MiB"
