@@ -959,13 +959,34 @@ static inline AVX512_TARGET __attribute__((always_inline)) __m512i dpwssd_bcast(
     return acc;
 }
 
-/* avx2_nibbles on a whole panel: word j's low and high nibbles as bytes, each with its HB high bits. */
+/* The high-bit word's pair for each byte of word j's low (HIGH 0) or high (HIGH 1) nibbles at bits 4..4+HB-1 of
+   that byte (other bits: others of the word): vpmultishiftqb (AVX-512 VBMI) takes each byte from its own bit
+   offset of the lane pair's 64 bits, as avx2_nibbles' shifts place them, a pair's bits at HB * (4j + HIGH) + {0,
+   2 HB, 16, 16 + 2 HB} for the lane's bytes 0..3 (+32 in the qword's second lane). Written as asm, so that the
+   kernels need not be compiled for VBMI (which CPUs with AVX-512 VNNI may lack: Cascade Lake). */
+static inline AVX512_TARGET __attribute__((always_inline)) __m512i high_pairs512(__m512i hw, const int j, const int HB,
+                                                                                const int HIGH) {
+    const int at[4] = {0, 2 * HB, 16, 16 + 2 * HB}; /* a lane's bytes 0..3 */
+    uint64_t control = 0;
+    for (int k = 0; k < 8; k++)
+        control |= (uint64_t)((32 * (k / 4) + HB * (4 * j + HIGH) + at[k % 4] - 4) & 63) << (8 * k);
+    __m512i out;
+    __asm__("vpmultishiftqb %2, %1, %0" : "=v"(out) : "v"(_mm512_set1_epi64((long long)control)), "v"(hw));
+    return out;
+}
+
+/* avx2_nibbles on a whole panel: word j's low and high nibbles as bytes, each with its HB high bits (VBMI: placed
+   by high_pairs512, two instructions a vector where the shifts took four). */
 static inline AVX512_TARGET __attribute__((always_inline)) void
-avx512_nibbles(__m512i v, __m512i hw, const int j, const int HB, __m512i *lo, __m512i *hi) {
+avx512_nibbles(__m512i v, __m512i hw, const int j, const int HB, const int VBMI, __m512i *lo, __m512i *hi) {
     const __m512i m0f = _mm512_set1_epi8(0x0f);
     *lo = _mm512_and_si512(v, m0f);
     *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m0f);
-    if (HB) {
+    if (HB && VBMI) {
+        const __m512i mask = _mm512_set1_epi8(HB == 1 ? 0x10 : 0x30);
+        *lo = _mm512_ternarylogic_epi32(*lo, high_pairs512(hw, j, HB, 0), mask, 0xf8);
+        *hi = _mm512_ternarylogic_epi32(*hi, high_pairs512(hw, j, HB, 1), mask, 0xf8);
+    } else if (HB) {
         const __m512i hmA = _mm512_set1_epi32(HB == 1 ? 0x00100010 : 0x00300030);
         const __m512i hmB = _mm512_set1_epi32(HB == 1 ? 0x10001000 : 0x30003000);
         const int hb0 = HB * 4 * j;
@@ -1050,7 +1071,7 @@ typedef struct SuperBlock {
 } SuperBlock;
 
 static inline AVX512_TARGET __attribute__((always_inline)) void
-avx512_unpack_sb(const Task *t, int p, int sbk, const int HB, const int PRE, SuperBlock *u) {
+avx512_unpack_sb(const Task *t, int p, int sbk, const int HB, const int PRE, const int VBMI, SuperBlock *u) {
     const int G = HB == 2 ? 16 : 32, wpg = G / 8, K = t->K, gpb = 256 / G;
     const uint32_t *wp = t->w + ((size_t)p * (K / 8) + (size_t)sbk * 32) * PANEL;
     const uint32_t *hp = HB ? t->hw + ((size_t)p * (K * HB / 32) + (size_t)sbk * gpb) * PANEL : NULL;
@@ -1064,7 +1085,7 @@ avx512_unpack_sb(const Task *t, int p, int sbk, const int HB, const int PRE, Sup
         for (int j = 0; PRE && j < wpg; j++) {
             const int word = g * wpg + j;
             PREFETCH(wp + (size_t)word * PANEL);
-            avx512_nibbles(_mm512_loadu_si512(wp + (size_t)word * PANEL), hw, j, HB, &u->w[2 * word], &u->w[2 * word + 1]);
+            avx512_nibbles(_mm512_loadu_si512(wp + (size_t)word * PANEL), hw, j, HB, VBMI, &u->w[2 * word], &u->w[2 * word + 1]);
         }
         u->sc[g] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ksc + (size_t)g * PANEL))));
         if (g % 2) /* groups g - 1 and g's mins */
@@ -1082,8 +1103,8 @@ avx512_unpack_sb(const Task *t, int p, int sbk, const int HB, const int PRE, Sup
    int32 sum converted once. The mins' term comes from the groups' integer activation sums, two
    groups a vpdpwssd. */
 static inline AVX512_TARGET __attribute__((always_inline)) void
-avx512_tile_sb(const Task *t, int p, int r, const int RB, const int HB, const int PRE, int sbk, const SuperBlock *u,
-               __m512 *facc, int r0) {
+avx512_tile_sb(const Task *t, int p, int r, const int RB, const int HB, const int PRE, const int VBMI, int sbk,
+               const SuperBlock *u, __m512 *facc, int r0) {
     const int G = HB == 2 ? 16 : 32, wpg = G / 8, K = t->K, ng = K / G, nsb = K / 256, gpb = 256 / G;
     const int8_t *x = sb_x(t, r, sbk * 256);
     const uint32_t *wp = t->w + ((size_t)p * (K / 8) + (size_t)sbk * 32) * PANEL;
@@ -1118,7 +1139,7 @@ avx512_tile_sb(const Task *t, int p, int r, const int RB, const int HB, const in
                 } else {
                     const uint32_t *wj = wp + (size_t)word * PANEL;
                     PREFETCH(wj);
-                    avx512_nibbles(_mm512_loadu_si512(wj), hw[h], j, HB, &lo, &hi);
+                    avx512_nibbles(_mm512_loadu_si512(wj), hw[h], j, HB, VBMI, &lo, &hi);
                 }
 #pragma GCC unroll 4
                 for (int i = 0; i < RB; i++) {
@@ -1163,6 +1184,9 @@ avx512_tile_sb(const Task *t, int p, int r, const int RB, const int HB, const in
         AVX512_ROWS(TILE, __VA_ARGS__);                                          \
     } while (0)
 
+/* Whether the K-quant kernels place high bits with VBMI's vpmultishiftqb (high_pairs512): set with the code path. */
+static int g_vbmi = 0;
+
 /* Each layout's own function, so that its loops get the registers to themselves. */
 static AVX512_TARGET __attribute__((noinline)) void avx512_panel_q4(const Task *t, int p, int r0, int r1) {
     if (t->biases) AVX512_ROWS8(avx512_tile8, 4, 32, 0);
@@ -1180,27 +1204,29 @@ static AVX512_TARGET __attribute__((noinline)) void avx512_panel_affine8(const T
 }
 /* A K-quant panel's rows r0..r1 (at most ROW_TILE), one super-block at a time. */
 static inline AVX512_TARGET __attribute__((always_inline)) void
-avx512_panel_sb(const Task *t, int p, int r0, int r1, const int HB, const int PRE) {
+avx512_panel_sb(const Task *t, int p, int r0, int r1, const int HB, const int PRE, const int VBMI) {
     SuperBlock u;
     __m512 facc[ROW_TILE];
     for (int r = r0; r < r1; r++) facc[r - r0] = _mm512_setzero_ps();
     for (int sbk = 0; sbk < t->K / 256; sbk++) {
-        avx512_unpack_sb(t, p, sbk, HB, PRE, &u);
-        AVX512_ROWS(avx512_tile_sb, HB, PRE, sbk, &u, facc, r0);
+        avx512_unpack_sb(t, p, sbk, HB, PRE, VBMI, &u);
+        AVX512_ROWS(avx512_tile_sb, HB, PRE, VBMI, sbk, &u, facc, r0);
     }
     for (int r = r0; r < r1; r++) avx512_store(t, p, r, facc + (r - r0), 1);
 }
 static AVX512_TARGET __attribute__((noinline)) void avx512_panel_sb_q4k(const Task *t, int p, int r0, int r1) {
-    if (r1 - r0 > 16) avx512_panel_sb(t, p, r0, r1, 0, 1);
-    else avx512_panel_sb(t, p, r0, r1, 0, 0);
+    if (r1 - r0 > 16) avx512_panel_sb(t, p, r0, r1, 0, 1, 0);
+    else avx512_panel_sb(t, p, r0, r1, 0, 0, 0);
 }
 static AVX512_TARGET __attribute__((noinline)) void avx512_panel_sb_q5k(const Task *t, int p, int r0, int r1) {
-    if (r1 - r0 > 4) avx512_panel_sb(t, p, r0, r1, 1, 1);
-    else avx512_panel_sb(t, p, r0, r1, 1, 0);
+    if (r1 - r0 > 4) avx512_panel_sb(t, p, r0, r1, 1, 1, g_vbmi);
+    else if (g_vbmi) avx512_panel_sb(t, p, r0, r1, 1, 0, 1);
+    else avx512_panel_sb(t, p, r0, r1, 1, 0, 0);
 }
 static AVX512_TARGET __attribute__((noinline)) void avx512_panel_sb_q6k(const Task *t, int p, int r0, int r1) {
-    if (r1 - r0 > 4) avx512_panel_sb(t, p, r0, r1, 2, 1);
-    else avx512_panel_sb(t, p, r0, r1, 2, 0);
+    if (r1 - r0 > 4) avx512_panel_sb(t, p, r0, r1, 2, 1, g_vbmi);
+    else if (g_vbmi) avx512_panel_sb(t, p, r0, r1, 2, 0, 1);
+    else avx512_panel_sb(t, p, r0, r1, 2, 0, 0);
 }
 
 static AVX512_TARGET void kernel_avx512_8(const Task *t, int p0, int p1, int r0, int r1) {
@@ -1857,7 +1883,7 @@ static int isa_supported(const char *name) {
     /* both paths convert float16 scales with F16C and use FMA */
     const int base = __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     if (!strcmp(name, "avx2")) return base && __builtin_cpu_supports("avx2");
-    if (!strcmp(name, "avx512vnni"))
+    if (!strcmp(name, "avx512vnni") || !strcmp(name, "avx512vnni-novbmi"))
         return base && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") &&
                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                __builtin_cpu_supports("avx512vnni");
@@ -1868,10 +1894,11 @@ static int isa_supported(const char *name) {
 static void select_isa(const char *name) {
 #ifdef QM_X86
     if (strcmp(name, "generic")) g_kernel8 = kernel_avx2_8;
-    if (!strcmp(name, "avx512vnni")) {
+    if (!strncmp(name, "avx512vnni", 10)) { /* "-novbmi": without VBMI where the CPU has it (for tests) */
         g_kernel = kernel_avx512;
         g_kernel8 = kernel_avx512_8;
-        g_isa = "avx512vnni";
+        g_vbmi = !strcmp(name, "avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+        g_isa = !strcmp(name, "avx512vnni") ? "avx512vnni" : "avx512vnni-novbmi";
         g_isa_level = 2;
         return;
     }
