@@ -1467,8 +1467,9 @@ int qm_matrix_parse(PyObject *const *a, int n, Py_ssize_t K, QmMatrix *m, Py_buf
         (*nheld)++;
         len[i] = (size_t)b[i]->len;
     }
-    int center_exp;
-    if (N < 0 || (bits != 4 && bits != 8) || group <= 0 || K % group || (symmetric && frexp(center, &center_exp) != 0.5) ||
+    int center_exp; /* a symmetric center must be a power of two (see the notes on top) */
+    if (N < 0 || (bits != 4 && bits != 8) || group <= 0 || K % group ||
+        (symmetric && frexp(center, &center_exp) != 0.5) ||
         (kq ? bits != 4 || hbits < 0 || hbits > 2 || (group != 16 && group != 32) || K % 256 : group % 32)) {
         PyErr_SetString(PyExc_ValueError, "gemm: bad shapes, strides or parameters");
         return -1;

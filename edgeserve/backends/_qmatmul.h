@@ -22,7 +22,8 @@ typedef struct {
     const void *scales, *biases;  /* float16 or float32; d and dmin for K-quants */
     const uint32_t *hw;           /* K-quants' high-bit plane, or NULL */
     const int8_t *ksc, *km;       /* K-quants' int8 group scales and mins, or NULL */
-    float center;                 /* biases NULL: a group's bias is -center * its scale (Q4_0, Q5_0, Q8_0), a power of two */
+    float center;                 /* biases NULL: a group's bias is -center * its scale (Q4_0, Q5_0, Q8_0);
+                                     a power of two */
     int N, K, bits, group, f16, kq, hbits;
 } QmMatrix;
 
