@@ -102,7 +102,8 @@ class Figures:
 
 
 class DecodeWindow:
-    """Counts what each step produced; the window opens at the step that gives the last stream its first token."""
+    """Counts what each step produced; the window opens at the step that gives the last stream its first token. A
+    call may bring several decode steps' tokens (our engine's bursts): it counts as the most any stream got."""
 
     def __init__(self, streams: Sequence[Any]) -> None:
         self.counts = dict.fromkeys(streams, 0)
@@ -122,7 +123,7 @@ class DecodeWindow:
         self.end = time.perf_counter()
         if self.start is not None:
             self.tokens += sum(len(tokens) for _, tokens in produced)
-            self.steps += 1
+            self.steps += max((len(tokens) for _, tokens in produced), default=0)
             return False
         if all(self.counts.values()):
             self.start = self.end

@@ -23,6 +23,9 @@ def main(mode: str, cases_path: str, out_path: str) -> None:
     config = EngineConfig(backend="mlx", distributed=None if mode == "none" else mode, **cases.get("config", {}))
     join_group(cases["model"], config)
     engine = LLMEngine(load_model(cases["model"]), config)
+    # a split model's steps come back through the group one at a time: one rank alone steps so too, so that its
+    # preemptions and prefix hits are comparable (it would otherwise run its decodes in bursts)
+    engine.backend.chains_steps = False
     requests = {rid: (ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
                 for rid, ids, n in cases["requests"]}
     later = {int(step): rids for step, rids in cases.get("arrivals", {}).items()}

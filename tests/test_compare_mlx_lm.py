@@ -66,6 +66,8 @@ def test_the_decode_window_opens_when_the_last_stream_has_its_first_token():
     assert not window.step([("a", [4]), ("b", [9])])
     assert (window.tokens, window.steps, window.stream0) == (4, 2, [1, 2, 3, 4])
     assert window.figures(0.5).tokens_per_s == pytest.approx(4 / window.wall)
+    assert not window.step([("a", [5, 6, 7]), ("b", [10, 11])])  # a burst of three decode steps, b finishing early
+    assert (window.tokens, window.steps) == (9, 5)
 
 
 def test_leading_agreement_stops_at_the_first_difference():

@@ -1,11 +1,13 @@
 """The MLX backend's device steps: tokens taken (greedy) or drawn (sampled) on the device, after a request's bias,
 penalties and grammar mask, the next decode launched before the host has the step's tokens (taken when the
-scheduler asks for exactly it, dropped otherwise), and the per-step profile."""
+scheduler asks for exactly it, dropped otherwise), bursts of decode steps where the device is the host, and the
+per-step profile."""
 
 from __future__ import annotations
 
 import pytest
 
+from edgeserve.engine import llm_engine
 from edgeserve.engine.llm_engine import LLMEngine
 from edgeserve.engine.step_profile import PHASES, StepProfile
 from edgeserve.sampling_params import GrammarTrigger, SamplingParams
@@ -151,6 +153,56 @@ def test_no_step_is_launched_ahead_where_the_device_is_the_host(mlx_on_cpu, tiny
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     engine.run_to_completion()
     assert engine.stats().steps_launched_ahead == 0
+
+
+@pytest.mark.parametrize("triggered", [False, True], ids=["plain", "grammars"])
+def test_bursts_of_decode_steps_give_the_step_by_step_tokens(mlx_on_cpu, tiny_model, triggered, monkeypatch) -> None:
+    """Where the device is the host (MLX on the CPU), plain greedy decodes run BURST steps as one, each step's tokens
+    the samples of the one before, left on the device: requests that end inside a burst (a stop token, a stop
+    string, their length), arrive (nobody bursts while one waits), are preempted, or carry a grammar, bound or
+    waiting for its trigger (they never burst), get the tokens of one step at a time, and every block comes back."""
+    engine = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
+    bursts = []
+    burst = engine._burst
+
+    def spy(scheduled, steps):
+        bursts.append((scheduled, steps, bool(engine.scheduler.waiting)))
+        return burst(scheduled, steps)
+
+    monkeypatch.setattr(engine, "_burst", spy)
+    got = generate(engine, logprobs=None, sampled=False, triggered=triggered)
+    full = llm_engine.BURST
+    monkeypatch.setattr(llm_engine, "BURST", 1)
+    step_by_step = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
+    expected = generate(step_by_step, logprobs=None, sampled=False, triggered=triggered)
+    aborted = 8  # after as many engine steps, which hold more decode steps in bursts
+    assert {i: t for i, t in got.items() if i != aborted} == {i: t for i, t in expected.items() if i != aborted}
+    shorter, longer = sorted((got.get(aborted, []), expected.get(aborted, [])), key=len)
+    assert longer[: len(shorter)] == shorter
+    if not triggered:  # with grammars, half the requests hold off every batch they are in
+        assert len(bursts) > 5 and max(steps for _, steps, _ in bursts) == full > 1
+    assert not any(waiting for _, _, waiting in bursts)
+    assert not any(item.seq.params.grammar for scheduled, _, _ in bursts for item in scheduled)
+    stats = engine.stats()
+    assert stats.preemptions > 0 and stats.kv_blocks_used == 0
+
+
+def test_a_stop_string_inside_a_burst_ends_its_request_there(mlx_on_cpu, tiny_model, monkeypatch) -> None:
+    def run(stop: list[str]) -> tuple[str, list[int], str | None, int]:
+        engine = LLMEngine(tiny_model, backend="mlx")
+        rid = engine.add_request([5, 9, 14, 3], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                               stop=stop))
+        outputs = []
+        done = engine.run_to_completion(outputs.extend)[rid]
+        return done.text, done.token_ids, done.finish_reason, max(len(out.token_ids) for out in outputs)
+
+    free, _, _, most = run([])
+    assert most == llm_engine.BURST > 1  # its decode steps ran in bursts
+    stop = free[9:12]
+    got = run([stop])
+    monkeypatch.setattr(llm_engine, "BURST", 1)
+    assert got[:3] == run([stop])[:3]  # one step at a time
+    assert got[0] == free[: free.index(stop)] and got[2] == "stop" and got[3] > 1
 
 
 def test_profile_accounts_for_each_step(tiny_model) -> None:

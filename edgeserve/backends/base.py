@@ -49,6 +49,8 @@ class Backend(Protocol):
     computes_async: bool
     # whether a step may be launched while the one before still computes without its K/V writes copying the pool
     launch_early: bool
+    # whether a step's input tokens may be the step before's samples still on the device (Batch.device_token_ids)
+    chains_steps: bool
     kv_dtype: str  # the KV pool's element type, one of KV_DTYPES: "float32", "float16" or "int8"
 
     def describe(self) -> str:
@@ -155,6 +157,10 @@ class Backend(Protocol):
 
     def fetch_tokens(self, tokens: Array) -> list[int]:
         """Launched tokens on the host, once computed."""
+        ...
+
+    def stack_tokens(self, steps: list[Array]) -> Array:
+        """Several steps' tokens as one [steps, rows] array, left on the device (chains_steps backends)."""
         ...
 
     # the KV pool: per layer K and V of [num_blocks, block_size, n_kv_heads, head_dim] ---------

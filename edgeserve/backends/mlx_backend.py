@@ -94,6 +94,7 @@ _POOL_DTYPES = {"float32": mx.float32, "float16": mx.float16, "int8": mx.int8}
 
 class MLXBackend:
     name = "mlx"
+    chains_steps = True
 
     def __init__(self, kv_dtype: str = "auto", group: Any = None) -> None:
         """group: the tensor-parallel group whose ranks' partial sums (`PartialSum` weights) this one adds up."""
@@ -324,6 +325,9 @@ class MLXBackend:
 
     def fetch_tokens(self, tokens: mx.array) -> list[int]:
         return tokens.tolist()
+
+    def stack_tokens(self, steps: list[mx.array]) -> mx.array:
+        return mx.stack(steps)
 
     def paged_attention(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: MLXMeta,
                         window: int | None = None) -> mx.array:

@@ -71,39 +71,43 @@ class CompiledBlocks:
     def greedy_decoder(self, embed: Callable[[mx.array], mx.array], head: Callable[[mx.array], mx.array]
                        ) -> Callable[[Batch, KVPool], mx.array | None] | None:
         """A whole greedy decode step (embed: ids -> residual stream; head: last residual stream -> logits) as one
-        compiled call with one upload of the step's integers, where the blocks' decode step is the reference stack:
+        compiled call with one upload of the step's integers (and of its tokens, unless the step before left them on
+        the device), where the blocks' decode step is the reference stack:
         the host then builds a step from a handful of ops rather than some thirty (`greedy_decode`)."""
         if self.reference_stack is None:
             return None
 
-        def step(ints: mx.array, *pools: mx.array) -> tuple[mx.array, ...]:
-            h, *written = self._reference_stack(embed(ints[:, 0]), ints[:, 1], ints[:, 2], ints[:, 3], ints[:, 4:],
-                                                *pools)
+        def step(tokens: mx.array, ints: mx.array, *pools: mx.array) -> tuple[mx.array, ...]:
+            h, *written = self._reference_stack(embed(tokens), ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3:], *pools)
             return (mx.argmax(head(h), axis=-1).astype(mx.int32), *written)
 
         self._greedy_step = mx.compile(step)
         return self.greedy_decode
 
     def greedy_decode(self, batch: Batch, kv: KVPool) -> mx.array | None:
-        """Each row's likeliest next token, where every row is a sequence's one decode token and samples, its token
-        on the host (None: the step takes the model's forward pass)."""
+        """Each row's likeliest next token, where every row is a sequence's one decode token and samples (None: the
+        step takes the model's forward pass)."""
         rows = len(batch.positions)
         if (self._greedy_step is None or not 0 < rows <= MAX_COMPILED_ROWS or batch.num_seqs != rows
-                or len(batch.logits_indices) != rows or batch.device_token_ids is not None):
+                or len(batch.logits_indices) != rows):
             return None
         _, tables, _ = batch.decode_layout()  # cut to the longest context, as the reference's are
         width = tables.shape[1]
-        # each row's token, position, the pool block and offset of its K/V, then its block table padded as
+        # each row's position, the pool block and offset of its K/V, then its block table padded as
         # _decode_in_one_call pads it, so a trace serves many steps
-        ints = np.zeros((rows, 4 + padded_width(width)), np.int32)
-        ints[:, 0] = batch.token_ids
-        ints[:, 1] = batch.positions
-        ints[:, 2], ints[:, 3] = np.divmod(batch.slot_mapping, batch.block_size)
-        ints[:, 4 : 4 + width] = tables
+        ints = np.zeros((rows, 3 + padded_width(width)), np.int32)
+        ints[:, 0] = batch.positions
+        ints[:, 1], ints[:, 2] = np.divmod(batch.slot_mapping, batch.block_size)
+        ints[:, 3 : 3 + width] = tables
+        tokens = batch.device_token_ids
+        if tokens is None:
+            tokens = mx.array(batch.token_ids.astype(np.int32))
         n = len(self.layers)
-        sampled, *pools = self._greedy_step(mx.array(ints), *kv.k, *kv.v)
+        sampled, *pools = self._greedy_step(tokens, mx.array(ints), *kv.k, *kv.v)
+        # not among the step's written pools (`MLXBackend.written`): the sampled tokens read every layer's, so they
+        # are computed with them, and a reference held there would keep the next step's write from updating them in
+        # place (a chain of steps, `LLMEngine._burst`)
         kv.k[:], kv.v[:] = pools[:n], pools[n:]
-        self.backend.written(pools)
         return sampled
 
     def __call__(self, h: mx.array, kv: KVPool, meta: MLXMeta) -> mx.array:

@@ -108,6 +108,7 @@ class NumpyBackend:
     name = "numpy"
     computes_async = False
     launch_early = False
+    chains_steps = False
 
     def __init__(self, weights: str = "float32", threads: int | None = None, activations: str | None = None,
                  kv_dtype: str = "float32"):
@@ -317,6 +318,9 @@ class NumpyBackend:
 
     def fetch_tokens(self, tokens: np.ndarray) -> list[int]:
         return tokens.tolist()
+
+    def stack_tokens(self, steps: list[np.ndarray]) -> np.ndarray:
+        return np.stack(steps)
 
     def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: NumpyMeta,
                         window: int | None = None) -> np.ndarray:

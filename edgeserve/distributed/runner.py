@@ -80,9 +80,10 @@ def start_group(model: LoadedModel, config: EngineConfig, group: Group) -> tuple
                                config.block_size, backend.kv_dtype) for share in shares), key=lambda p: p.num_blocks)
     if group.size == 1:
         return backend, pool_size, ModelRunner(model, backend, pool_size)
-    # a split model's tokens come back through the group each step: nothing is launched ahead, and rows that
-    # sample draw on the host
+    # a split model's tokens come back through the group each step: nothing is launched ahead or chained, and rows
+    # that sample draw on the host
     backend.computes_async = False
+    backend.chains_steps = False
     group.broadcast({"op": "setup", "mode": config.distributed, "num_blocks": pool_size.num_blocks,
                      "block_size": pool_size.block_size, "kv_dtype": backend.kv_dtype})
     return backend, pool_size, GroupRunner(model, backend, pool_size, config.distributed, group)

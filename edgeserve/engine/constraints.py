@@ -224,6 +224,10 @@ class Constraints:
         are then free, and only watched once sampled)."""
         return request_id in self._matchers
 
+    def constrained(self, request_id: str) -> bool:
+        """Whether the request has a grammar, bound or waiting for its trigger."""
+        return request_id in self._matchers or request_id in self._waiting
+
     def start_masks(self, seqs: list[Sequence]) -> Future | None:
         """Start computing the masks of the constrained rows among seqs (row i is seqs[i]); None if none is."""
         rows = [(m, i) for i, seq in enumerate(seqs) if (m := self._matchers.get(seq.request_id)) is not None]

@@ -34,6 +34,8 @@ from edgeserve.errors import EdgeserveError, PromptTooLongError
 from edgeserve.models.loader import LoadedModel, load_model, model_fingerprint
 from edgeserve.sampling_params import InvalidParamsError, SamplingDefaults, SamplingParams
 
+# decode steps of the same greedy rows run as one where a step's host work cannot hide behind the device's (`_burst`)
+BURST = 4
 RATE_WINDOW = 5.0  # seconds of recent steps the stats' tokens per second are measured over
 # An embedding from a prompt's final hidden states [tokens, hidden], by the model's pooling (LoadedModel.pooling)
 POOLING = {"mean": lambda rows: rows.mean(axis=0), "cls": lambda rows: rows[0], "last": lambda rows: rows[-1]}
@@ -441,6 +443,9 @@ class LLMEngine:
             self.profile.lap("batch")
         else:
             self._drop_ahead()
+            steps = self._burst_steps(scheduled, pending)
+            if steps > 1:
+                return self._burst(scheduled, steps)
             self._prepare_pool()
             allowed = None
             if pending is not None:
@@ -471,6 +476,61 @@ class LLMEngine:
         self.profile.end("output")
         return outputs
 
+    def _burst_steps(self, scheduled: list[ScheduledSeq], pending: Any) -> int:
+        """How many decode steps to run as one (`_burst`), their slots allocated; 1: this step alone.
+
+        Where the device computes as a step is launched (MLX on the CPU), the host's work on a step (scheduling,
+        building it, taking its tokens) cannot hide behind the device's, and it runs with caches that the device's
+        work has just emptied; a burst pays that once for several steps. Only plain greedy decodes burst (a sampled
+        row draws on the host; a grammar masks each token by the one before; a draft is checked step by step), only
+        while nobody waits to be admitted (who would wait for the whole burst), and only as far as every row's length
+        limits allow."""
+        be = self.backend
+        if be.computes_async or not be.chains_steps or pending is not None or self.scheduler.waiting:
+            return 1
+        seqs = [item.seq for item in scheduled]
+        if not all(item.samples and item.num_new_tokens == 1 and not item.draft for item in scheduled) or any(
+                self.speculator.mode_for(seq) != "off" or self.constraints.constrained(seq.request_id)
+                for seq in seqs):
+            return 1
+        steps = min(BURST, *(min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+                             for seq in seqs))
+        if steps < 2 or not all(self.block_manager.allocate_slots(seq, steps) for seq in seqs):
+            return 1  # what the slots took stays the sequences': their next steps need it
+        return steps
+
+    def _burst(self, scheduled: list[ScheduledSeq], steps: int) -> list[RequestOutput]:
+        """`steps` decode steps of the same plain greedy rows (`_burst_steps`) launched as one, each step's tokens the
+        samples of the step before, still on the device; then each sequence takes its tokens in order until it
+        finishes (what it computed after a stop token or string goes with it)."""
+        seqs = [item.seq for item in scheduled]
+        self._prepare_pool()
+        start = time.perf_counter()
+        chain = [self.runner.sampled_tokens(scheduled, None, profile=self.profile)]
+        for ahead in range(1, steps):
+            items = [ScheduledSeq(seq, 1, ahead=ahead) for seq in seqs]
+            chain.append(self.runner.sampled_tokens(items, None, device_tokens=chain[-1], profile=self.profile))
+        tokens = self.backend.stack_tokens(chain)
+        self.backend.launch(tokens)
+        sampled = self.backend.fetch_tokens(tokens)
+        self.profile.lap("eval")
+        self.speculator.observe(len(seqs), (time.perf_counter() - start) / steps)
+        st = self._stats
+        st.steps += steps
+        st.last_batch_seqs = st.last_batch_tokens = len(seqs)
+        outputs = []
+        for i, seq in enumerate(seqs):
+            outs = []
+            for row in sampled:
+                seq.num_computed_tokens += 1
+                self.block_manager.register_full_blocks(seq)
+                outs.append(self._output(seq, row[i], None, None))
+                if outs[-1].finished:
+                    break
+            outputs.append(merge_outputs(outs))
+        self.profile.end("output", steps)
+        return outputs
+
     def _allowed_tokens(self, seqs: list[Sequence], pending: Any) -> tuple[np.ndarray, dict[int, str]]:
         """The tokens each of seqs' rows may take as bits (SamplingRows.allowed: all of them where it has no grammar),
         from the masks pending computes; and the rows that fail, with why: their mask failed or allows nothing."""
@@ -492,7 +552,7 @@ class LLMEngine:
         if not all(self.block_manager.allocate_slots(seq, 2) for seq in seqs):
             return None
         self._move_tiers()  # blocks those slots took from the prefix cache: read before the step overwrites them
-        items = [ScheduledSeq(seq, 1, ahead=True) for seq in seqs]
+        items = [ScheduledSeq(seq, 1, ahead=1) for seq in seqs]
         generators = [(seq, seq.rng.bit_generator.state) for seq in seqs if not seq.params.greedy]
         ahead = self.runner.sampled_tokens(items, self._sampling_rows(seqs, recent=tokens), device_tokens=tokens,
                                            profile=self.profile)

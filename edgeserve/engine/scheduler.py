@@ -32,7 +32,8 @@ class ScheduledSeq:
     # the draft model's distribution each guess of a sampled request was drawn from (empty: point masses)
     draft_probs: list[np.ndarray] = field(default_factory=list)
     model_draft: bool = False  # the draft model guessed the draft (else prompt lookup)
-    ahead: bool = False  # the decode after the one running now, launched before that one's token reached the host
+    # a decode this many steps after the one running now, launched before that one's token reached the host
+    ahead: int = 0
 
     @property
     def first_position(self) -> int:

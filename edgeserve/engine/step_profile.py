@@ -43,10 +43,10 @@ class StepProfile:
         self.seconds[phase] += now - self._mark
         self._mark = now
 
-    def end(self, phase: str) -> None:
-        """Close the step's last phase."""
+    def end(self, phase: str, steps: int = 1) -> None:
+        """Close the step's last phase; steps: the model steps it ran (a burst of decode steps runs several)."""
         self.lap(phase)
-        self.steps += 1
+        self.steps += steps
         self._last_end = self._mark
 
     def summary(self) -> dict:
