@@ -187,6 +187,27 @@ def test_bursts_of_decode_steps_give_the_step_by_step_tokens(mlx_on_cpu, tiny_mo
     assert stats.preemptions > 0 and stats.kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "forward"])
+def test_a_burst_writes_the_pool_in_place(mlx_on_cpu, tiny_model, one_call) -> None:
+    """Each step of a burst writes K/V into the pools the step before wrote, in place: were any step's pools still
+    held outside the graph, the next one's write would copy a layer's pool. one_call: the greedy step as one compiled
+    call, else the model's forward pass (the blocks' decode stack, then the head and an argmax)."""
+    import mlx.core as mx
+
+    engine = LLMEngine(tiny_model, backend="mlx", kv_memory="32MiB")
+    if not one_call:
+        engine.runner.model.greedy = None
+    layer_pool = engine.runner.kv.k[0].nbytes
+    for i in range(4):
+        engine.add_request([5 + i, 6, 7], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.step()  # the prompts
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    engine.run_to_completion()
+    assert engine.stats().steps == 40 and engine.profile.steps == 40
+    assert mx.get_peak_memory() - before < layer_pool / 4
+
+
 def test_a_stop_string_inside_a_burst_ends_its_request_there(mlx_on_cpu, tiny_model, monkeypatch) -> None:
     def run(stop: list[str]) -> tuple[str, list[int], str | None, int]:
         engine = LLMEngine(tiny_model, backend="mlx")

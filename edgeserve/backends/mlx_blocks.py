@@ -156,8 +156,7 @@ class CompiledBlocks:
         blocks = mx.pad(a.decode_blocks, [(0, 0), (0, padded_width(width) - width)])
         n = len(self.layers)
         h, *pools = self.reference_stack(h, meta.positions, meta.slot_blocks, meta.slot_offsets, blocks, *kv.k, *kv.v)
-        kv.k[:], kv.v[:] = pools[:n], pools[n:]
-        self.backend.written(pools)
+        kv.k[:], kv.v[:] = pools[:n], pools[n:]  # computed with any row of h, which reads them all (see greedy_decode)
         return h
 
     def _reference_stack(self, h: mx.array, positions: mx.array, slot_blocks: mx.array, slot_offsets: mx.array,
