@@ -155,8 +155,8 @@ class Backend(Protocol):
         """Start computing tokens and the step's pool writes, without waiting for them."""
         ...
 
-    def fetch_tokens(self, tokens: Array) -> list[int]:
-        """Launched tokens on the host, once computed."""
+    def fetch_tokens(self, tokens: Array) -> list:
+        """Launched tokens on the host, once computed: a list of ints, or of lists for several steps' tokens."""
         ...
 
     def stack_tokens(self, steps: list[Array]) -> Array:

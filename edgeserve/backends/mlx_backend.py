@@ -323,7 +323,7 @@ class MLXBackend:
         mx.async_eval(tokens, *self._written)
         self._written = []
 
-    def fetch_tokens(self, tokens: mx.array) -> list[int]:
+    def fetch_tokens(self, tokens: mx.array) -> list:
         return tokens.tolist()
 
     def stack_tokens(self, steps: list[mx.array]) -> mx.array:

@@ -316,7 +316,7 @@ class NumpyBackend:
     def launch(self, tokens: np.ndarray) -> None:
         return None  # computed already: the NumPy backend computes as the step's graph is built
 
-    def fetch_tokens(self, tokens: np.ndarray) -> list[int]:
+    def fetch_tokens(self, tokens: np.ndarray) -> list:
         return tokens.tolist()
 
     def stack_tokens(self, steps: list[np.ndarray]) -> np.ndarray:
