@@ -143,7 +143,7 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, progr
             stats = engine.stats()
             if outputs and stats.last_batch_tokens == stats.last_batch_seqs:  # one new token each: pure decode
                 decode_time += now - step_start
-                decode_tokens += len(outputs)
+                decode_tokens += sum(len(out.token_ids) for out in outputs)  # a burst's steps, several each
             slots = stats.kv_blocks_used * bs
             if slots > peak_slots:
                 peak_slots, peak_running, stored_at_peak = slots, stats.running, stats.kv_tokens_stored
