@@ -159,9 +159,9 @@ def test_no_step_is_launched_ahead_where_the_device_is_the_host(mlx_on_cpu, tiny
 @pytest.mark.parametrize("triggered", [False, True], ids=["plain", "grammars"])
 def test_bursts_of_decode_steps_give_the_step_by_step_tokens(mlx_on_cpu, tiny_model, triggered, monkeypatch) -> None:
     """Where the device is the host (MLX on the CPU), plain greedy decodes run BURST steps as one, each step's tokens
-    the samples of the one before, left on the device: requests that end inside a burst (a stop token, a stop
-    string, their length), arrive (nobody bursts while one waits), are preempted, or carry a grammar, bound or
-    waiting for its trigger (they never burst), get the tokens of one step at a time, and every block comes back."""
+    the samples of the one before, left on the device: requests that end inside a burst (a stop token, their
+    length), arrive (nobody bursts while one waits), are preempted, or carry a grammar, bound or waiting for its
+    trigger (they never burst), get the tokens of one step at a time, and every block comes back."""
     engine = LLMEngine(tiny_model, backend="mlx", kv_memory=SMALL_POOL)
     bursts = []
     burst = engine._burst
