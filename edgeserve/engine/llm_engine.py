@@ -443,7 +443,7 @@ class LLMEngine:
             self.profile.lap("batch")
         else:
             self._drop_ahead()
-            steps = self._burst_steps(scheduled, pending)
+            steps = self._burst_steps(scheduled)
             if steps > 1:
                 return self._burst(scheduled, steps)
             self._prepare_pool()
@@ -476,7 +476,7 @@ class LLMEngine:
         self.profile.end("output")
         return outputs
 
-    def _burst_steps(self, scheduled: list[ScheduledSeq], pending: Any) -> int:
+    def _burst_steps(self, scheduled: list[ScheduledSeq]) -> int:
         """How many decode steps to run as one (`_burst`), their slots allocated; 1: this step alone.
 
         Where the device computes as a step is launched (MLX on the CPU), the host's work on a step (scheduling,
@@ -486,7 +486,7 @@ class LLMEngine:
         while nobody waits to be admitted (who would wait for the whole burst), and only as far as every row's length
         limits allow."""
         be = self.backend
-        if be.computes_async or not be.chains_steps or pending is not None or self.scheduler.waiting:
+        if be.computes_async or not be.chains_steps or self.scheduler.waiting:
             return 1
         seqs = [item.seq for item in scheduled]
         if not all(item.samples and item.num_new_tokens == 1 and not item.draft for item in scheduled) or any(
