@@ -251,3 +251,26 @@ def test_environment_forces_numba():
     code = "from edgeserve.backends import qmatmul; print(qmatmul.kernel_name())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "numba"
+
+
+@pytest.mark.parametrize("repack", ["c", "numpy"])
+def test_panels_start_on_a_cache_line(repack, monkeypatch):
+    """Every array prepare packs starts 64-byte aligned, as the panel cache's do, whichever code repacks it: NumPy's
+    own large arrays start 16 bytes into a page, where each vector a kernel loads spans two cache lines. Sizes
+    past NumPy's small-block allocator (a few MB), where that offset shows."""
+    from tests.test_kquants import random_kquant
+
+    if repack == "c" and qm._ext is None:
+        pytest.skip("the C extension is not built")
+    if repack == "numpy":
+        monkeypatch.setattr(qm, "_ext", None)
+    rng = np.random.default_rng(5)
+    affine = _tensor(rng, 1024, 2048, 4, 32, "f32")
+    blocks = gguf.quants.quantize(rng.standard_normal((1024, 2048)).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
+    weights = [affine, SymmetricBlocks(blocks.reshape(1024, -1), gguf.GGMLQuantizationType.Q4_0, 2048),
+               random_kquant(rng, gguf.GGMLQuantizationType.Q6_K, 1024, 2048)]
+    for w in weights:
+        s = qm.prepare([w]).segments[0]
+        arrays = [a for a in (s.packed, s.scales, s.biases, s.hi, s.ksc, s.km) if a is not None]
+        assert max(a.nbytes for a in arrays) >= 1 << 20
+        assert [a.ctypes.data % 64 for a in arrays] == [0] * len(arrays)
