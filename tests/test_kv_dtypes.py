@@ -52,6 +52,15 @@ def test_int8_heads_carry_their_scales(head_dim, groups):
     np.testing.assert_array_equal(kv_formats.load(kv_formats.store(x, "float16"), head_dim), x.astype(np.float16))
 
 
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
+def test_a_pool_starts_on_a_cache_line(kv_dtype):
+    """A layer's pool (a 1B model's: 16 MiB) starts 64-byte aligned, so a float16 head of 64 values is two whole
+    cache lines, not parts of three; zeroed, and the shape the kernels take."""
+    pool = kv_formats.allocate(kv_dtype, 1024, 16, 8, 64)
+    assert pool.ctypes.data % 64 == 0 and pool.flags.c_contiguous and not pool.any()
+    assert pool.shape == (1024, 16, 8, kv_formats.kv_head_bytes(kv_dtype, 64) // pool.itemsize)
+
 @needs_ext
 @pytest.mark.parametrize("kv_dtype", LOW)
 @pytest.mark.parametrize("rows", [1, 300])

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from edgeserve.backends.pages import aligned_zeros
+
 _DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 
 
@@ -31,7 +33,8 @@ def kv_head_bytes(kv_dtype: str, head_dim: int) -> int:
 def allocate(kv_dtype: str, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> np.ndarray:
     """A zeroed pool of one layer's K or V."""
     width = kv_head_bytes(kv_dtype, head_dim) // np.dtype(_DTYPES[kv_dtype]).itemsize
-    return np.zeros((num_blocks, block_size, n_kv_heads, width), _DTYPES[kv_dtype])
+    # float16 and float32 heads of 64 or 128 values then lie in whole cache lines (16 bytes in, each spanned one more)
+    return aligned_zeros((num_blocks, block_size, n_kv_heads, width), _DTYPES[kv_dtype])
 
 
 def store(values: np.ndarray, kv_dtype: str) -> np.ndarray:

@@ -51,6 +51,7 @@ import numpy as np
 
 from edgeserve.backends import ACTIVATION_MODES, DEFAULT_ACTIVATIONS
 from edgeserve.backends.lazy_jit import njit, prange
+from edgeserve.backends.pages import aligned_copy, aligned_zeros
 from edgeserve.quant.affine import QuantizedTensor, unpack
 from edgeserve.quant.gguf_blocks import SymmetricBlocks
 from edgeserve.quant.kquants import Q6_K_OFFSET, SUPER, KQuantTensor
@@ -62,7 +63,6 @@ except ImportError:
     _ext = None
 
 PANEL = 16
-_ALIGN = 64  # bytes: one cache line, one AVX-512 vector
 # Bumped whenever `prepare`'s output changes (word order, planes, scale layout): a cache of packed
 # panels keyed on it is never read back by kernels that expect another layout.
 PANEL_LAYOUT_VERSION = 2
@@ -298,7 +298,7 @@ def _pack(parts: list[Weight], start: int, stop: int) -> _Segment:
     if _ext is not None and all(p.bits == bits for p in parts):
         # each word reordered straight into its panel in C, one pass (through _panel_words a 3B file's first start
         # took ~9 s longer)
-        packed = _aligned_zeros((panels, k * bits // 32, PANEL), np.uint32)
+        packed = aligned_zeros((panels, k * bits // 32, PANEL), np.uint32)
         for p, row in _first_rows(parts):
             _ext.panel_words(np.ascontiguousarray(p.weight, dtype=np.uint32), packed, bits, row)
     else:
@@ -316,7 +316,7 @@ def _pack_blocks(parts: list[SymmetricBlocks], start: int, stop: int) -> _Segmen
     (through the affine form, a 3B file's first start took ~4 s longer)."""
     n, k, first = stop - start, parts[0].shape[1], parts[0]
     panels = -(-n // PANEL)
-    packed = _aligned_zeros((panels, k * first.bits // 32, PANEL), np.uint32)
+    packed = aligned_zeros((panels, k * first.bits // 32, PANEL), np.uint32)
     for p, row in _first_rows(parts):
         _ext.block_words(p.blocks, int(p.qtype), packed, None, row)
     scales = _panel_rows([p.scales() for p in parts], panels, np.float16)
@@ -330,8 +330,8 @@ def _pack_kquants(parts: list[KQuantTensor], start: int, stop: int) -> _Segment:
     hbits = parts[0].bits - 4
     planes = [p.planes(values=_ext is None) for p in parts]
     if _ext is not None:  # the blocks' values straight into panels (in NumPy: 7 of a 1B Q4_K_M file's 9 s first start)
-        packed = _aligned_zeros((panels, k // 8, PANEL), np.uint32)
-        hi = _aligned_zeros((panels, k * hbits // 32, PANEL), np.uint32) if hbits else None
+        packed = aligned_zeros((panels, k // 8, PANEL), np.uint32)
+        hi = aligned_zeros((panels, k * hbits // 32, PANEL), np.uint32) if hbits else None
         for p, row in _first_rows(parts):
             _ext.block_words(p.blocks, int(p.qtype), packed, hi, row)
     else:
@@ -386,7 +386,7 @@ def _high_bit_words(high: np.ndarray, hbits: int, panels: int) -> np.ndarray:
 
 def _panels(words: np.ndarray, panels: int) -> np.ndarray:
     """A matrix's words [panels * 16, words a row] as panels [panels, words a row, 16]."""
-    return _aligned_copy(words.reshape(panels, PANEL, -1).transpose(0, 2, 1))
+    return aligned_copy(words.reshape(panels, PANEL, -1).transpose(0, 2, 1))
 
 
 def _panel_rows(parts: list[np.ndarray], panels: int, dtype: np.dtype) -> np.ndarray:
@@ -394,24 +394,8 @@ def _panel_rows(parts: list[np.ndarray], panels: int, dtype: np.dtype) -> np.nda
     a = np.concatenate(parts)
     padded = np.zeros((panels * PANEL, a.shape[1]), dtype=dtype)
     padded[: len(a)] = a
-    return _aligned_copy(padded.reshape(panels, PANEL, -1).transpose(0, 2, 1))
+    return aligned_copy(padded.reshape(panels, PANEL, -1).transpose(0, 2, 1))
 
-
-def _aligned_zeros(shape: tuple[int, ...], dtype: type) -> np.ndarray:
-    """Zeros whose first byte is 64-byte aligned, as the panel cache's arrays are: NumPy's large arrays start 16
-    bytes into a page, so every 64-byte vector a kernel loads would straddle two cache lines (a 1B decode's weight
-    pass on one thread: 23.3 -> 25.5 GB/s aligned)."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    buf = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
-    start = -buf.ctypes.data % _ALIGN
-    return buf[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def _aligned_copy(a: np.ndarray) -> np.ndarray:
-    """a as a C-contiguous array in 64-byte aligned memory (see _aligned_zeros)."""
-    out = _aligned_zeros(a.shape, a.dtype)
-    np.copyto(out, a)
-    return out
 
 
 def _float_scales(a: np.ndarray) -> np.ndarray:
