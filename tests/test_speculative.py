@@ -21,7 +21,7 @@ from edgeserve.engine.sampler import check_guess
 from edgeserve.engine.scheduler import ScheduledSeq
 from edgeserve.engine.sequence import Sequence
 from edgeserve.engine.speculative import (DECAY, EXPLORE_DRAFT, EXPLORE_EVERY, JUDGE_EVERY, JUDGE_EVERY_KNOWN, JUDGE_MIN,
-                                          MIN_SAMPLES, PromptLookup, SharedLookup, Speculator, StepCost,
+                                          JUDGE_MARGIN, JUDGE_WINDOW, MIN_SAMPLES, PromptLookup, SharedLookup, Speculator, StepCost,
                                           best_draft)
 from edgeserve.errors import EdgeserveError
 from edgeserve.sampling_params import InvalidParamsError, SamplingParams
@@ -328,6 +328,26 @@ def test_a_check_against_a_no_that_gains_is_followed_by_another():
     judge.record(1, True, 1, 1.1)  # this one lost
     assert not judge.allows(1)
 
+
+
+def test_the_judge_weighs_its_window_of_recent_steps_only():
+    """The judge's verdict at a batch size comes from its last JUDGE_WINDOW steps: the medians of those with drafts
+    and without, as sorting the window's rates would give, whatever older steps said."""
+    judge = Speculator("auto").judge
+    rng = np.random.default_rng(0)
+    steps = [(bool(rng.random() < 0.4), float(rng.uniform(1, 3))) for _ in range(3 * JUDGE_WINDOW)]
+    for i, (drafted, rate) in enumerate(steps):
+        judge.record(4, drafted, round(100 * rate), 100.0)
+        window = [(d, round(100 * r) / 100.0) for d, r in steps[max(0, i + 1 - JUDGE_WINDOW) : i + 1]]
+        without = [r for d, r in window if not d]
+        with_drafts = [r for d, r in window if d]
+        if min(len(without), len(with_drafts)) >= JUDGE_MIN:
+            want = statistics.median(with_drafts) > (1 + JUDGE_MARGIN) * statistics.median(without)
+            assert judge.pays(4) is want, i
+    for _ in range(JUDGE_WINDOW):  # a window of steps where drafts gained pushes every older step out
+        judge.record(4, True, 300, 100.0)
+        judge.record(4, False, 100, 100.0)
+    assert judge.pays(4) is True
 
 def test_a_step_of_tries_alone_is_not_judged():
     """A try (a short draft "auto" makes to learn what rows cost, before it can estimate) says nothing of whether the
