@@ -269,9 +269,11 @@ class Bench:
         self.results: dict[str, Any] = {}
 
     def edgeserve_args(self) -> list[str]:
-        """Model options shared by `edgeserve bench` and `edgeserve serve`: the CPU backend on the same file."""
+        """Model options shared by `edgeserve bench` and `edgeserve serve`: the CPU backend on the same file, decoding
+        as llama.cpp's tools do here, without speculative decoding (on by default on the CPU: a random model's
+        repetitive text would be guessed)."""
         args = ["-m", str(self.gguf), "--backend", "numpy", "--weights", self.weights, "--kv-memory", self.kv_memory,
-                "--kv-dtype", self.kv_dtype, "--threads", str(self.threads)]
+                "--kv-dtype", self.kv_dtype, "--threads", str(self.threads), "--speculative", "off"]
         return [*args, "--activations", self.activations] if self.activations else args
 
     def edgeserve_serve(self, port: int) -> list[str]:

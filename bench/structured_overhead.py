@@ -55,7 +55,8 @@ def main() -> None:
                         help="0 (greedy) times the masks alone; above, each row also samples in Python")
     args = parser.parse_args()
     model = load_model(args.model)
-    config = EngineConfig(backend=args.backend, kv_memory="256MiB")
+    # guesses checked against the grammar (speculative decoding, on by default on the CPU) would blur what masks cost
+    config = EngineConfig(backend=args.backend, kv_memory="256MiB", speculative="off")
     engines = {"free": LLMEngine(model, config), "constrained": LLMEngine(model, config)}
     for name, engine in engines.items():
         add_streams(engine, args.streams, args.steps + 4, args.temperature, name == "constrained")

@@ -54,8 +54,6 @@ def model_options(run: Callable | None = None, *, ctx_default: str = "the model'
         if distributed and draft_model is not None:
             raise click.UsageError("--draft-model runs beside a model held by one process, not one split across "
                                    "ranks (--distributed); leave one of them out")
-        if speculative is None:
-            speculative = "off" if draft_model is None else "auto"
         config = EngineConfig(backend=backend, weights=weights, kv_memory=kv_memory, kv_dtype=kv_dtype, threads=threads,
                               max_model_len=ctx_size, activations=activations, speculative=speculative,
                               draft_model=draft_model, prefix_cache_ram=prefix_cache_ram,
@@ -90,7 +88,7 @@ def model_options(run: Callable | None = None, *, ctx_default: str = "the model'
                               "far (prompt lookup) and checks them in one step; draft guesses with --draft-model; auto "
                               "does either only as far as it pays, by the measured acceptance and the measured cost of "
                               "a guess (prompt lookup where it finds a match, else the draft model where one is given)  "
-                              "[default: off; auto with --draft-model]")(f)
+                              "[default: auto on the CPU and with --draft-model, else off]")(f)
     f = click.option("--ctx-size", "-c", type=click.IntRange(min=16), default=None,
                      help=f"Context length in tokens  [default: {ctx_default}]")(f)
     f = click.option("--threads", "-t", type=click.IntRange(min=1), default=None,

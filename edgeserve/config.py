@@ -37,7 +37,8 @@ class EngineConfig:
     max_model_len: int | None = None  # context limit; None: the model's own
     threads: int | None = None  # CPU threads for the NumPy backend's kernels; None: every core
     activations: str | None = None  # NumPy kernels' activation integers, "int8" or "int16"; None: their default
-    speculative: str = "off"  # speculative decoding: "auto", "ngram", "draft" or "off" (engine/speculative.py)
+    # speculative decoding: "auto", "ngram", "draft" or "off" (engine/speculative.py); None: the engine's default
+    speculative: str | None = None
     draft_model: str | None = None  # a smaller model with the target's vocabulary that drafts (engine/drafter.py)
     # the model split across the ranks `mlx.launch` started: "pipeline" or "tensor" (edgeserve.distributed); None:
     # this process alone

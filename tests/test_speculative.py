@@ -385,7 +385,36 @@ def test_which_requests_speculate():
         Speculator("draft")
 
 
+
+def test_auto_leaves_seeded_sampled_requests_alone():
+    """A seeded sampled request draws once per guess checked (sampler.check_guess), and "auto" guesses by the machine's
+    timing: it leaves such requests alone, so a seed gives the same answer on every run. Greedy seeded requests, and
+    sampled ones without a seed, still speculate; "ngram" asked for guesses for every request."""
+    spec = Speculator("auto", cost=trained_cost(lambda rows: 10 + 0.01 * rows))  # rows look free
+    for params, drafts in ((SamplingParams(temperature=0.8), True), (SamplingParams(temperature=0.8, seed=3), False),
+                           (SamplingParams(temperature=0.0, seed=3), True)):
+        seq = Sequence("s", list(REPEATS), params)
+        history(seq, spec, 8, 8)
+        assert bool(spec.propose(seq, 8, rows=1, decodes=1)) is drafts, params
+    seeded = Sequence("n", list(REPEATS), SamplingParams(temperature=0.8, seed=3))
+    assert Speculator("ngram").propose(seeded, 8, rows=1, decodes=1) == list(range(3, 11))
+
 # inside the engine, on the tiny model -------------------------------------------------------------------------
+
+def test_auto_is_the_default_on_the_cpu_and_off_on_mlx(tiny_model):
+    """Without a mode asked for, the NumPy backend's engine speculates as "auto" (measured never slower there); MLX's
+    does not (a step with guesses is neither launched ahead nor chained into a burst), unless a draft model is given;
+    a mode asked for is kept."""
+    def mode(**config) -> str:
+        return LLMEngine(tiny_model, EngineConfig(kv_memory="16MiB", **config)).speculator.mode
+
+    assert mode(backend="numpy") == "auto"
+    assert mode(backend="numpy", speculative="off") == "off"
+    pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'edgeserve[mlx]')")
+    assert mode(backend="mlx") == "off"
+    assert mode(backend="mlx", speculative="ngram") == "ngram"
+    assert LLMEngine(tiny_model, EngineConfig(backend="mlx", kv_memory="16MiB"), draft=tiny_model).speculator.mode == "auto"
+
 
 def test_greedy_is_unchanged_in_a_batch_and_guesses_are_accepted(tiny_model):
     prompts = repetitive_prompts(tiny_model.tokenizer, 6)

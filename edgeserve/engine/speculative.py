@@ -365,7 +365,9 @@ class Speculator:
             return []
         if mode == "draft":
             return self._model_draft(seq, most)
-        if mode == "auto" and not self.judge.allows(decodes):
+        if mode == "auto" and (not self.judge.allows(decodes) or seq.params.seed is not None and not seq.params.greedy):
+            # a seeded request's draws follow its guesses (sampler.check_guess), which "auto" times: its answer would
+            # change with the machine's speed
             return []
         # a match in an earlier answer first: its four tokens say more than three of the sequence's own, and where it
         # repeats such an answer it usually goes on doing so (own lookup is kept indexed either way)
