@@ -1,5 +1,6 @@
 """Memory brought to where the steps want it, on background threads: a new KV pool's pages mapped in ahead of the
-steps that would first touch them, and mapped weights moved into anonymous huge pages.
+steps that would first touch them, and mapped weights moved into anonymous huge pages; and arrays the kernels stream
+placed to start on a cache line.
 
 A fresh pool is zero pages the kernel has not mapped yet: the first write to each costs a fault and a page zeroed
 (with transparent huge pages, 2 MiB at a time). A step that opens new blocks for many sequences at once (n answers

@@ -397,7 +397,6 @@ def _panel_rows(parts: list[np.ndarray], panels: int, dtype: np.dtype) -> np.nda
     return aligned_copy(padded.reshape(panels, PANEL, -1).transpose(0, 2, 1))
 
 
-
 def _float_scales(a: np.ndarray) -> np.ndarray:
     if a.dtype == np.uint16:  # bfloat16 bit patterns
         return (a.astype(np.uint32) << 16).view(np.float32)
