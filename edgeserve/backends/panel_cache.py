@@ -39,7 +39,6 @@ from edgeserve.backends.qmatmul import QMatrix, _Segment
 from edgeserve.system import home
 
 MAGIC = b"EDGEPNL1"
-_ALIGN = 64
 _TAIL = struct.Struct("<QQ8s")
 ENV_VAR = "EDGESERVE_PANEL_CACHE"  # "0" or "off": repack at every start, write nothing
 _MAPS: weakref.WeakValueDictionary[tuple, np.memmap] = weakref.WeakValueDictionary()  # see _mapped
@@ -161,7 +160,7 @@ class PanelCache:
         try:
             for key, m in self._hits.items():
                 self._index.setdefault(key, _write_matrix(self._out, m))
-            self._out.write(b"\0" * (-self._out.tell() % _ALIGN))
+            self._out.write(b"\0" * (-self._out.tell() % pages.CACHE_LINE))
             offset = self._out.tell()
             raw = json.dumps({"identity": self.identity, "matrices": self._index}).encode()
             self._out.write(raw)
@@ -279,7 +278,7 @@ def _write_segment(f: Any, s: _Segment) -> dict[str, Any]:
             if id(value) in written:
                 spec[field.name] = {"same": written[id(value)]}
                 continue
-            f.write(b"\0" * (-f.tell() % _ALIGN))
+            f.write(b"\0" * (-f.tell() % pages.CACHE_LINE))
             spec[field.name] = {"offset": f.tell(), "dtype": value.dtype.str, "shape": list(value.shape)}
             np.ascontiguousarray(value).tofile(f)
             written[id(value)] = field.name
