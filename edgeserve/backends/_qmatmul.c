@@ -53,9 +53,16 @@ besides (float16 scales), checked with the CPU's features before either is chose
    consecutive, so past a panel's end it reaches the next one's): on a shared 2-core Zen 3 a decode
    pass read 10-30% faster with 1-8 KiB than with the hardware prefetcher alone. One thread reads at
    most ~25 GB/s, where 4 KiB is ~160 ns of reading: a 1B Q4_K_M decode on one thread (Zen 4) ran
-   10% faster than with 2 KiB (27.7-28.5 -> 30.7-31.4 tok/s); two threads and 16-64 rows the same. */
+   10% faster than with 2 KiB (27.7-28.5 -> 30.7-31.4 tok/s); two threads and 16-64 rows the same.
+   AVX-512 Q4_K tiles of fewer than 4 rows are the exception (HW_STREAM). */
 #define PREFETCH_AHEAD 4096
 #define PREFETCH(p) _mm_prefetch((const char *)(p) + PREFETCH_AHEAD, _MM_HINT_T0)
+/* Whether an AVX-512 K-quant tile of RB rows (HB high bits) leaves its weights to the hardware prefetcher. For
+   Q4_K's one to three rows it reads faster alone (Zen 4, one thread, a 1B weight pass in huge pages: 1 / 2 / 3
+   rows 26.1 / 24.0 / 22.7 -> 29.2 / 27.5 / 24.2 GB/s, the plain read's 30 at one row; 1B Q4_K_M decode 36.8 ->
+   41.2 tok/s); from 4 rows on, for Q5_K and Q6_K at any rows, and in the AVX2 kernels (-4% to +3%), the prefetch
+   wins or ties (8 rows: 8.7 -> 11.4 GB/s). */
+#define HW_STREAM(HB, RB) ((HB) == 0 && (RB) < 4)
 #define ROW_TILE 64
 
 typedef struct Task {
@@ -1138,7 +1145,7 @@ avx512_tile_sb(const Task *t, int p, int r, const int RB, const int HB, const in
                     hi = u->w[2 * word + 1];
                 } else {
                     const uint32_t *wj = wp + (size_t)word * PANEL;
-                    PREFETCH(wj);
+                    if (!HW_STREAM(HB, RB)) PREFETCH(wj);
                     avx512_nibbles(_mm512_loadu_si512(wj), hw[h], j, HB, VBMI, &lo, &hi);
                 }
 #pragma GCC unroll 4
