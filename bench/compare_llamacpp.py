@@ -8,8 +8,9 @@ Absolute speeds differ between machines, so only ratios measured side by side me
   `edgeserve bench -w sweep` vs `llama-batched-bench -npp 128 -ntg 128 -npl N`;
 - http: `edgeserve serve` vs `llama-server -np CLIENTS`, the same seeded load of streaming clients
   from `edgeserve bench --url` against each: aggregate output tokens/s and TTFT p50;
-- bandwidth: a sequential-read probe of this machine's memory, and each engine's decode step as
-  (GGUF bytes read per token) x (single-stream tg128 tokens/s), as a share of it;
+- bandwidth: a sequential-read probe of this machine's memory (its best in the sitting: probed again
+  after each engine's single-stream run), and each engine's decode step as (GGUF bytes read per
+  token) x (single-stream tg128 tokens/s), as a share of it;
 - startup: launch to first token and exit, `edgeserve run -n 1` vs `llama-simple -n 1` (one
   generated token from the same raw prompt), with each process's peak resident memory; edgeserve's
   first start (which writes its panel cache, in a temporary EDGESERVE_HOME) and later ones apart.
@@ -262,10 +263,12 @@ class Bench:
     """One sitting: the GGUF, the tools, the settings, and the figures gathered so far."""
 
     def __init__(self, gguf: Path, bin_dir: Path, threads: int, weights: str, activations: str | None,
-                 kv_memory: str, kv_dtype: str, progress: Progress) -> None:
+                 kv_memory: str, kv_dtype: str, progress: Progress, probe_size: int | None = None) -> None:
         self.gguf, self.bin, self.threads = gguf, bin_dir, threads
         self.weights, self.activations, self.progress = weights, activations, progress
         self.kv_memory, self.kv_dtype = kv_memory, kv_dtype
+        self.probe_size = probe_size  # None: no bandwidth figures asked for
+        self.probes: dict[int, float] = {}  # threads -> the best read so far, GB/s
         self.results: dict[str, Any] = {}
 
     def edgeserve_args(self) -> list[str]:
@@ -309,12 +312,14 @@ class Bench:
             for name, run in found.items():
                 if name not in theirs or run["avg_ts"] > theirs[name]["avg_ts"]:
                     theirs[name] = run
+            self.read_probe()
             self.progress.update(task, description=f"single, round {round_}: edgeserve bench -w single")
             mine = self.edgeserve_bench(task, "-w", "single")["single"]
             for key in SINGLE_FIGURES:
                 if key in ours:
                     mine[key] = max(mine[key], ours[key])
             ours = mine
+            self.read_probe()
         tg = theirs["tg128"]
         self.results["llama_cpp_build"] = {"commit": tg.get("build_commit"), "number": tg.get("build_number"),
                                            "cpu": tg.get("cpu_info"), "bin": str(self.bin)}
@@ -407,11 +412,14 @@ class Bench:
         }
         self.progress.update(task, total=1, completed=1, detail="")
 
-    def bandwidth(self, size: int, repeats: int) -> None:
-        """Best sequential read of an in-memory array, on one thread and on all; decode's share of it."""
-        task = self.progress.add_task(f"bandwidth: read a {size / 2**30:g} GiB array", total=None, detail="")
-        data = np.ones(size // 8)  # written once, so every page is resident before timing
-        probes = {}
+    def read_probe(self, repeats: int = 5) -> None:
+        """Best sequential read of an in-memory array, on one thread and on all, into self.probes (kept where an
+        earlier probe of the sitting read faster). single probes after each engine's run: this machine's bus changes
+        speed between minutes (a one-thread read 24-32 GB/s in one hour), and a probe taken once, in a slow minute,
+        put a decode measured in a fast one at 1.2x the read."""
+        if self.probe_size is None:
+            return
+        data = np.ones(self.probe_size // 8)  # written once, so every page is resident before timing
         for threads in sorted({1, self.threads}):
             best = float("inf")
             # NumPy's reductions release the GIL, so threads read their chunks in parallel. A float64 sum
@@ -424,10 +432,16 @@ class Bench:
                         start = time.perf_counter()
                         list(pool.map(reduce, chunks))
                         best = min(best, time.perf_counter() - start)
-            probes[f"read_GBps_{threads}_threads"] = round(data.nbytes / best / 1e9, 2)
-        del data
+            self.probes[threads] = max(self.probes.get(threads, 0.0), round(data.nbytes / best / 1e9, 2))
+
+    def bandwidth(self) -> None:
+        """The best read probe of the sitting (single's and one more now); decode's share of it."""
+        task = self.progress.add_task(f"bandwidth: read a {self.probe_size / 2**30:g} GiB array", total=None,
+                                      detail="")
+        self.read_probe()
+        probes = {f"read_GBps_{threads}_threads": speed for threads, speed in sorted(self.probes.items())}
         probe = max(probes.values())
-        entry: dict[str, Any] = {**probes, "read_GBps": probe, "probe_bytes": size,
+        entry: dict[str, Any] = {**probes, "read_GBps": probe, "probe_bytes": self.probe_size,
                                  "weight_bytes_per_token": self.gguf.stat().st_size}
         if single := self.results.get("single"):
             per_token = self.gguf.stat().st_size / 1e9
@@ -504,8 +518,9 @@ def print_table(results: dict) -> None:
         table.add_row(r["figure"], *shown, r["goal"])
     console.print(table)
     if bw := results.get("bandwidth"):
-        console.print(f"read probe: {bw['read_GBps']} GB/s, best of 1 and {results['threads']} threads reading "
-                      f"{bw['probe_bytes'] / 2**30:g} GiB (float64 sum or byte max); decode GB/s = GGUF size "
+        console.print(f"read probe: {bw['read_GBps']} GB/s, the sitting's best read of {bw['probe_bytes'] / 2**30:g} GiB "
+                      f"on 1 and {results['threads']} threads (float64 sum or byte max), probed around each single-stream "
+                      f"run; decode GB/s = GGUF size "
                       f"({bw['weight_bytes_per_token'] / 1e6:.1f} MB) x single-stream decode tok/s (tg128)")
     if build := results.get("llama_cpp_build"):
         console.print(f"llama.cpp build {build['number']} ({build['commit']}) on {build['cpu']}: {build['bin']}")
@@ -594,12 +609,13 @@ def main(model_name: str | None, llama_cpp: Path | None, only: str, streams: str
         except ToolError as exc:
             raise click.ClickException(f"no llama.cpp tools: {exc}") from exc
         progress.console.print(f"llama.cpp tools: {bin_dir}")
-        bench = Bench(gguf, bin_dir, threads, weights, activations, kv_memory, kv_dtype, progress)
+        bench = Bench(gguf, bin_dir, threads, weights, activations, kv_memory, kv_dtype, progress,
+                      probe_size if "bandwidth" in parts else None)
         steps = {
             "single": lambda: bench.single(repetitions),
             "batched": lambda: bench.batched(parse_list(streams)),
             "http": lambda: bench.http(http_clients, http_requests),
-            "bandwidth": lambda: bench.bandwidth(probe_size, repeats=5),
+            "bandwidth": bench.bandwidth,
             "startup": lambda: bench.startup(repetitions),
         }
         for part in PARTS:  # single before bandwidth, which uses its figures

@@ -1,6 +1,7 @@
 """bench/compare_llamacpp.py's own parts that need no llama.cpp (a stand-in llama-bench where one runs): the
 model's shape, timed starts, the single-stream rounds, the report."""
 
+import json
 import re
 import sys
 
@@ -100,3 +101,26 @@ def test_single_stream_figures_are_the_best_of_rounds_the_engines_take_in_turn(t
                                    "prefill_tokens_per_s": 260.0, "ttft_s": 2.0}
     rows = {r["figure"]: r["ratio"] for r in compare.table_rows(bench.results)}
     assert rows["decode tok/s, 1 stream (tg128)"] == compare.ratio(42.0, 45.0) < 1
+
+
+def test_the_read_probe_is_the_best_of_the_sitting(tmp_path, monkeypatch):
+    """single probes the bus after each engine's run; the share is taken against the fastest read of them all."""
+    bench = compare.Bench(tmp_path / "m.gguf", tmp_path, 2, "auto", None, "1GiB", "auto",
+                          progress=compare.Progress(disable=True), probe_size=8 << 20)
+    with open(tmp_path / "m.gguf", "wb") as f:
+        f.truncate(2 * 10**9)  # a sparse file: 2 GB read per token
+    probed = []
+    monkeypatch.setattr(bench, "read_probe", lambda: probed.append(len(probed)))
+    monkeypatch.setattr(compare, "run_tool", lambda cmd, progress, task: json.dumps(
+        [dict(n_prompt=p, n_gen=g, avg_ts=40.0, stddev_ts=1.0) for p, g in ((512, 0), (0, 128))]))
+    monkeypatch.setattr(bench, "edgeserve_bench", lambda task, *args: {"single": {
+        "decode_empty_context_tokens_per_s": 50.0, "decode_tokens_per_s": 45.0, "prefill_tokens_per_s": 200.0}})
+    bench.single(repetitions=1)
+    assert len(probed) == 2 * compare.SINGLE_ROUNDS
+    monkeypatch.undo()
+    bench.probes = {1: 1000.0, 2: 3.0}  # a read no machine makes, as if an earlier probe had seen it
+    bench.bandwidth()
+    bw = bench.results["bandwidth"]
+    assert bw["read_GBps"] == 1000.0 and bw["read_GBps_1_threads"] == 1000.0
+    assert 3.0 < bw["read_GBps_2_threads"] < 1000.0  # the fresh probe replaced the slower one
+    assert bw["edgeserve_share"] == round(2.0 * 50.0 / 1000.0, 3)
