@@ -54,8 +54,10 @@ besides (float16 scales), checked with the CPU's features before either is chose
    pass read 10-30% faster with 1-8 KiB than with the hardware prefetcher alone. One thread reads at
    most ~25 GB/s, where 4 KiB is ~160 ns of reading: a 1B Q4_K_M decode on one thread (Zen 4) ran
    10% faster than with 2 KiB (27.7-28.5 -> 30.7-31.4 tok/s); two threads and 16-64 rows the same.
-   AVX-512 Q4_K tiles of fewer than 4 rows are the exception (HW_STREAM). */
-#define PREFETCH_AHEAD 4096
+   With panels on cache lines a core reads ~30 GB/s, and 6 KiB went further: 1B decode on one thread, Q4_0
+   41.7-42.4 -> 43.7-44.4 tok/s, Q4_K_M 37.6-39.2 -> 39.6-41.3 (alternating pairs); 4 rows 1-3% slower, 16 the
+   same. AVX-512 Q4_K tiles of fewer than 4 rows are the exception (HW_STREAM). */
+#define PREFETCH_AHEAD 6144
 #define PREFETCH(p) _mm_prefetch((const char *)(p) + PREFETCH_AHEAD, _MM_HINT_T0)
 /* Whether an AVX-512 K-quant tile of RB rows (HB high bits) leaves its weights to the hardware prefetcher. For
    Q4_K's one to three rows it reads faster alone (Zen 4, one thread, a 1B weight pass in huge pages: 1 / 2 / 3
