@@ -518,10 +518,11 @@ def print_table(results: dict) -> None:
         table.add_row(r["figure"], *shown, r["goal"])
     console.print(table)
     if bw := results.get("bandwidth"):
-        console.print(f"read probe: {bw['read_GBps']} GB/s, the sitting's best read of {bw['probe_bytes'] / 2**30:g} GiB "
-                      f"on 1 and {results['threads']} threads (float64 sum or byte max), probed around each single-stream "
-                      f"run; decode GB/s = GGUF size "
-                      f"({bw['weight_bytes_per_token'] / 1e6:.1f} MB) x single-stream decode tok/s (tg128)")
+        threads = "1 thread" if results["threads"] == 1 else f"1 and {results['threads']} threads"
+        console.print(f"read probe: {bw['read_GBps']} GB/s, the sitting's best read of {bw['probe_bytes'] / 2**30:g} "
+                      f"GiB on {threads} (float64 sum or byte max), probed around each single-stream run; decode "
+                      f"GB/s = GGUF size ({bw['weight_bytes_per_token'] / 1e6:.1f} MB) x single-stream decode tok/s "
+                      "(tg128)")
     if build := results.get("llama_cpp_build"):
         console.print(f"llama.cpp build {build['number']} ({build['commit']}) on {build['cpu']}: {build['bin']}")
 
