@@ -385,7 +385,6 @@ def test_which_requests_speculate():
         Speculator("draft")
 
 
-
 def test_auto_leaves_seeded_sampled_requests_alone():
     """A seeded sampled request draws once per guess checked (sampler.check_guess), and "auto" guesses by the machine's
     timing: it leaves such requests alone, so a seed gives the same answer on every run. Greedy seeded requests, and
@@ -398,6 +397,7 @@ def test_auto_leaves_seeded_sampled_requests_alone():
         assert bool(spec.propose(seq, 8, rows=1, decodes=1)) is drafts, params
     seeded = Sequence("n", list(REPEATS), SamplingParams(temperature=0.8, seed=3))
     assert Speculator("ngram").propose(seeded, 8, rows=1, decodes=1) == list(range(3, 11))
+
 
 # inside the engine, on the tiny model -------------------------------------------------------------------------
 
